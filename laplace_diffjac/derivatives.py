@@ -1,0 +1,156 @@
+"""Per-sample parameter Jacobians of single modules, from BackPACK's derivatives.
+
+For every module type that BackPACK's ``BatchGrad`` supports, BackPACK ships a
+derivatives object whose ``param_mjp`` maps gradients with respect to a module's
+output, ``(V, batch, *output_shape)``, to per-sample gradients with respect to a
+parameter, ``(V, batch, *param_shape)``. This module applies it to the signals of
+*all* model outputs at once (``V = C``) and keeps BackPACK's bookkeeping attributes
+(``input0``, ``output``) on the module only for the duration of one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from backpack.core.derivatives.basederivatives import BaseParameterDerivatives
+from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
+from backpack.core.derivatives.conv1d import Conv1DDerivatives
+from backpack.core.derivatives.conv2d import Conv2DDerivatives
+from backpack.core.derivatives.conv3d import Conv3DDerivatives
+from backpack.core.derivatives.conv_transpose1d import ConvTranspose1DDerivatives
+from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivatives
+from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
+from backpack.core.derivatives.embedding import EmbeddingDerivatives
+from backpack.core.derivatives.linear import LinearDerivatives
+from torch import nn
+
+from .errors import UnsupportedModuleError
+from .layer_calls import LayerCall
+
+#: Module types with a per-sample Jacobian rule (those of BackPACK's ``BatchGrad``
+#: that take a single batch-first input).
+DERIVATIVES: dict[type[nn.Module], BaseParameterDerivatives] = {
+    nn.Linear: LinearDerivatives(),
+    nn.Conv1d: Conv1DDerivatives(),
+    nn.Conv2d: Conv2DDerivatives(),
+    nn.Conv3d: Conv3DDerivatives(),
+    nn.ConvTranspose1d: ConvTranspose1DDerivatives(),
+    nn.ConvTranspose2d: ConvTranspose2DDerivatives(),
+    nn.ConvTranspose3d: ConvTranspose3DDerivatives(),
+    nn.BatchNorm1d: BatchNormNdDerivatives(),
+    nn.BatchNorm2d: BatchNormNdDerivatives(),
+    nn.BatchNorm3d: BatchNormNdDerivatives(),
+    nn.Embedding: EmbeddingDerivatives(),
+}
+
+_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def owning_modules(
+    root: nn.Module, params: Sequence[torch.Tensor]
+) -> list[nn.Module]:
+    """Return the modules that own ``params`` directly, checking each is supported.
+
+    Parameters
+    ----------
+    root : torch.nn.Module
+        Model whose submodules are searched.
+    params : sequence of torch.Tensor
+        Parameters the Jacobian is taken with respect to.
+
+    Returns
+    -------
+    list of torch.nn.Module
+        Owners in ``root.modules()`` order, each listed once.
+
+    Raises
+    ------
+    UnsupportedModuleError
+        If a parameter is owned by a module without a Jacobian rule, or by none, or
+        if a BatchNorm layer is in training mode.
+    """
+    wanted = {id(p) for p in params}
+    owners: list[nn.Module] = []
+    found: set[int] = set()
+    unsupported: list[str] = []
+    for name, module in root.named_modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) in wanted]
+        if not own:
+            continue
+        found.update(id(p) for p in own)
+        if type(module) not in DERIVATIVES:
+            unsupported.append(f"{name or '<root>'} ({type(module).__name__})")
+            continue
+        if isinstance(module, _BATCHNORM) and module.training:
+            raise UnsupportedModuleError(
+                f"BatchNorm layer '{name}' is in training mode, where per-sample "
+                "Jacobians are not defined (the batch statistics couple the samples). "
+                "Call model.eval() first."
+            )
+        owners.append(module)
+    if unsupported:
+        supported = ", ".join(sorted(t.__name__ for t in DERIVATIVES))
+        raise UnsupportedModuleError(
+            "The BackPACK backend has no per-sample Jacobian rule for the "
+            f"parameterised module(s) {', '.join(unsupported)}. Supported: "
+            f"{supported}. Parameter-free modules (activations, pooling, reshapes, "
+            "custom functions) are always fine. Use "
+            "laplace_diffjac.DiffFuncGGN (torch.func) for this model."
+        )
+    if len(found) != len(wanted):
+        raise UnsupportedModuleError(
+            "Some trainable parameters do not belong to a submodule of the model "
+            "that is differentiated; use laplace_diffjac.DiffFuncGGN."
+        )
+    return owners
+
+
+def accumulate_param_jacobians(
+    calls: Iterable[LayerCall],
+    output_grads: Sequence[torch.Tensor | None],
+    params: Sequence[torch.Tensor],
+) -> dict[int, torch.Tensor]:
+    """Map batched output signals of each module call to parameter Jacobians.
+
+    Parameters
+    ----------
+    calls : iterable of LayerCall
+        Recorded module calls.
+    output_grads : sequence of torch.Tensor or None
+        For each call, ``(V, batch, *output_shape)``: the gradient of each of V
+        scalar-per-sample functions with respect to the call's output; ``None``
+        where the output does not influence them.
+    params : sequence of torch.Tensor
+        Parameters of interest; others owned by the modules are skipped.
+
+    Returns
+    -------
+    dict
+        ``id(param) -> (V, batch, *param.shape)``, summed over calls of a shared
+        module. Parameters without any contribution are absent.
+    """
+    wanted = {id(p) for p in params}
+    result: dict[int, torch.Tensor] = {}
+    for call, grad in zip(calls, output_grads):
+        if grad is None:
+            continue
+        module = call.module
+        derivatives = DERIVATIVES[type(module)]
+        saved = {k: vars(module)[k] for k in ("input0", "output") if k in vars(module)}
+        vars(module)["input0"] = call.inputs[0]
+        vars(module)["output"] = call.output
+        try:
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) not in wanted:
+                    continue
+                jac = derivatives.param_mjp(
+                    name, module, None, (grad[0],), grad, sum_batch=False
+                )
+                key = id(param)
+                result[key] = jac if key not in result else result[key] + jac
+        finally:
+            for key in ("input0", "output"):
+                vars(module).pop(key, None)
+            vars(module).update(saved)
+    return result
