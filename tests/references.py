@@ -1,0 +1,74 @@
+"""Independent references the tests compare against: float64 ``torch.func``.
+
+Nothing here imports ``laplace_diffjac``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+
+def reference_jacobians(
+    model: nn.Module, x: torch.Tensor, params: Sequence[torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``vmap(jacrev(functional_call))``: ``(batch, C, P)`` and ``(batch, C)``.
+
+    Differentiable with respect to ``x`` and the parameters by ordinary autograd.
+    """
+    chosen = list(model.parameters()) if params is None else list(params)
+    ids = {id(p) for p in chosen}
+    named = {n: p for n, p in model.named_parameters() if id(p) in ids}
+
+    def single(p, xi):
+        out = functional_call(model, p, (xi.unsqueeze(0),), strict=False)
+        return out.reshape(-1)
+
+    def jac_and_out(p, xi):
+        return jacrev(lambda q: (single(q, xi), single(q, xi)), has_aux=True)(p)
+
+    jac, f = vmap(jac_and_out, in_dims=(None, 0))(named, x)
+    Js = torch.cat([j.flatten(start_dim=2) for j in jac.values()], dim=2)
+    return Js, f
+
+
+def model_state(model: nn.Module) -> dict:
+    """Everything of a model the backends promise not to change, for comparison."""
+    state = {}
+    for name, module in model.named_modules():
+        state[f"module:{name}:attrs"] = {
+            k: (v if isinstance(v, (bool, int, float, str, type(None))) else id(v))
+            for k, v in vars(module).items()
+            if not isinstance(v, dict)
+        }
+        for hooks in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+        ):
+            state[f"module:{name}:{hooks}"] = list(getattr(module, hooks).items())
+        state[f"module:{name}:training"] = module.training
+    for name, p in model.named_parameters():
+        state[f"param:{name}:grad"] = None if p.grad is None else p.grad.clone()
+        state[f"param:{name}:grad_id"] = id(p.grad)
+        state[f"param:{name}:attrs"] = sorted(vars(p))
+        state[f"param:{name}:value"] = p.detach().clone()
+    for name, b in model.named_buffers():
+        state[f"buffer:{name}"] = b.detach().clone()
+    return state
+
+
+def assert_same_state(before: dict, after: dict) -> None:
+    """Assert two :func:`model_state` snapshots are identical, bit for bit."""
+    assert before.keys() == after.keys()
+    for key in before:
+        a, b = before[key], after[key]
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), key
+            assert torch.equal(a, b), key
+        else:
+            assert a == b, f"{key}: {a!r} != {b!r}"
