@@ -11,7 +11,6 @@ and the model is restored by :func:`.model_guard.preserved_state`.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -21,10 +20,9 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.utils.module_classification import is_no_op
 from torch import nn
 
+from ._warnings import quiet_full_backward_hook_warning
 from .errors import UnsupportedModuleError
 from .model_guard import preserved_state
-
-_NO_INPUT_GRAD_WARNING = "Full backward hook is firing when gradients are computed"
 
 
 def run_extension(
@@ -67,8 +65,7 @@ def run_extension(
     """
     savefield = extension.savefield
     with preserved_state(model, lossfunc), torch.enable_grad():
-        with _private_backpack_hooks([root, lossfunc]), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD_WARNING)
+        with _private_backpack_hooks([root, lossfunc]), quiet_full_backward_hook_warning():
             x_in = x.detach()
             if x_in.is_floating_point():
                 x_in.requires_grad_(True)

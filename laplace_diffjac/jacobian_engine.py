@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ._warnings import quiet_full_backward_hook_warning
 from .derivatives import accumulate_param_jacobians, owning_modules
 from .inputs import check_model_output
 from .layer_calls import recorded_calls
@@ -73,7 +74,10 @@ def parameter_jacobians(
             f = check_model_output(model(x_in), batch)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
         signals = _output_signals(f2, selected_outputs)
-        grads = _batched_grad(f2, [c.output for c in calls], signals, enable_backprop)
+        with quiet_full_backward_hook_warning():  # hooks of a user-extended model
+            grads = _batched_grad(
+                f2, [c.output for c in calls], signals, enable_backprop
+            )
         with torch.set_grad_enabled(enable_backprop):
             jacs = accumulate_param_jacobians(calls, grads, params)
             Js = _assemble(jacs, params, signals.shape[0], batch, f)
@@ -120,7 +124,8 @@ def per_sample_gradients(
             f = model(x.detach())
         loss = loss_of_output(f)
         outputs = [c.output for c in calls]
-        grads = torch.autograd.grad(loss, outputs, allow_unused=True)
+        with quiet_full_backward_hook_warning():
+            grads = torch.autograd.grad(loss, outputs, allow_unused=True)
         with torch.no_grad():
             signals = [None if g is None else g.unsqueeze(0) for g in grads]
             jacs = accumulate_param_jacobians(calls, signals, params)

@@ -18,6 +18,7 @@ from laplace.utils import Kron
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
+from ..errors import UnsupportedModuleError
 from ..inputs import check_mapping_or_tensor_batch, check_model_output
 from ..last_layer import last_layer_jacobians
 
@@ -109,6 +110,7 @@ class DiffFuncGGN(GGNInterface):
             x = {k: v for k, v in x.items() if isinstance(v, torch.Tensor)}
         if selected is not None and selected.shape[0] != batch:
             raise ValueError("Output selectors must match the input batch size.")
+        _check_no_backward_hooks(self.model)
         params = self._named_params()
         single = self._per_sample_outputs(x, params)
 
@@ -170,6 +172,20 @@ class DiffFuncGGN(GGNInterface):
             "DiffFuncGGN has no Kronecker-factored curvature: torch.func offers no "
             "KFAC route. Use hessian_structure='diag' or 'full' with DiffFuncGGN, "
             "or DiffBackPackGGN for 'kron' (BackPACK-supported models)."
+        )
+
+
+def _check_no_backward_hooks(model: nn.Module) -> None:
+    hooked = [
+        name or "<root>"
+        for name, m in model.named_modules()
+        if m._backward_hooks or m._backward_pre_hooks
+    ]
+    if hooked:
+        raise UnsupportedModuleError(
+            f"Modules {hooked} carry backward hooks (for instance from "
+            "backpack.extend), which torch.func cannot trace (pytorch/functorch#1124). "
+            "Use laplace_diffjac.DiffBackPackGGN for this model, or remove the hooks."
         )
 
 

@@ -1,0 +1,27 @@
+"""The one PyTorch warning this package silences, and only inside its own calls."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_NO_INPUT_GRAD = "Full backward hook is firing when gradients are computed"
+
+
+@contextmanager
+def quiet_full_backward_hook_warning() -> Iterator[None]:
+    """Silence PyTorch's note that a full backward hook fired on output gradients.
+
+    It fires when BackPACK's hooks (ours, or those of a model the user extended) sit
+    on a module whose inputs need no gradient, e.g. the first layer when the input is
+    data. BackPACK's first-order and second-order rules only need output gradients
+    there, so the note carries no information for these calls.
+
+    Yields
+    ------
+    None
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD)
+        yield
