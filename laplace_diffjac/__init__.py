@@ -14,3 +14,10 @@ __all__ = [
     "UnsupportedModuleError",
 ]
 __version__ = "0.1.0"
+
+# Adapter to laplace-torch (issue 3): accept these backends in every estimator.
+from .adapter import register, unregister  # noqa: E402
+from .drop_in import patch_laplace  # noqa: E402
+
+__all__ += ["patch_laplace", "register", "unregister"]
+register()
