@@ -21,6 +21,7 @@ def quiet_full_backward_hook_warning() -> Iterator[None]:
     Yields
     ------
     None
+
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD)

@@ -36,7 +36,7 @@ def run_extension(
     *,
     flatten_classification: bool,
 ) -> tuple[torch.Tensor, list[object]]:
-    """Run ``extension`` on ``lossfunc(model(x), y)`` and return its per-parameter results.
+    """Run ``extension`` on ``lossfunc(model(x), y)``; return per-parameter results.
 
     Parameters
     ----------
@@ -62,10 +62,14 @@ def run_extension(
         The detached loss.
     results : list
         ``getattr(param, extension.savefield)`` for each parameter.
+
     """
     savefield = extension.savefield
     with preserved_state(model, lossfunc), torch.enable_grad():
-        with _private_backpack_hooks([root, lossfunc]), quiet_full_backward_hook_warning():
+        with (
+            _private_backpack_hooks([root, lossfunc]),
+            quiet_full_backward_hook_warning(),
+        ):
             x_in = x.detach()
             if x_in.is_floating_point():
                 x_in.requires_grad_(True)

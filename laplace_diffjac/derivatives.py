@@ -28,6 +28,26 @@ from torch import nn
 from .errors import UnsupportedModuleError
 from .layer_calls import LayerCall
 
+
+class _EmbeddingDerivatives(EmbeddingDerivatives):
+    """BackPACK's Embedding rule in the signals' dtype (BackPACK's is float32)."""
+
+    def _weight_jac_t_mat_prod(
+        self,
+        module: nn.Embedding,
+        g_inp: object,
+        g_out: object,
+        mat: torch.Tensor,
+        sum_batch: bool = True,
+        subsampling: list[int] | None = None,
+    ) -> torch.Tensor:
+        self._check_parameters(module)
+        index = module.input0 if subsampling is None else module.input0[subsampling]
+        one_hot = torch.nn.functional.one_hot(index, module.num_embeddings).to(mat)
+        equation = f"n...s,vn...h->v{'' if sum_batch else 'n'}sh"
+        return torch.einsum(equation, one_hot, mat)
+
+
 #: Module types with a per-sample Jacobian rule (those of BackPACK's ``BatchGrad``
 #: that take a single batch-first input).
 DERIVATIVES: dict[type[nn.Module], BaseParameterDerivatives] = {
@@ -41,15 +61,13 @@ DERIVATIVES: dict[type[nn.Module], BaseParameterDerivatives] = {
     nn.BatchNorm1d: BatchNormNdDerivatives(),
     nn.BatchNorm2d: BatchNormNdDerivatives(),
     nn.BatchNorm3d: BatchNormNdDerivatives(),
-    nn.Embedding: EmbeddingDerivatives(),
+    nn.Embedding: _EmbeddingDerivatives(),
 }
 
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-def owning_modules(
-    root: nn.Module, params: Sequence[torch.Tensor]
-) -> list[nn.Module]:
+def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.Module]:
     """Return the modules that own ``params`` directly, checking each is supported.
 
     Parameters
@@ -69,6 +87,7 @@ def owning_modules(
     UnsupportedModuleError
         If a parameter is owned by a module without a Jacobian rule, or by none, or
         if a BatchNorm layer is in training mode.
+
     """
     wanted = {id(p) for p in params}
     owners: list[nn.Module] = []
@@ -88,6 +107,11 @@ def owning_modules(
                 "Jacobians are not defined (the batch statistics couple the samples). "
                 "Call model.eval() first."
             )
+        if isinstance(module, nn.Embedding) and (
+            module.padding_idx is not None or module.max_norm is not None
+        ):
+            unsupported.append(f"{name} (Embedding with padding_idx or max_norm)")
+            continue
         owners.append(module)
     if unsupported:
         supported = ", ".join(sorted(t.__name__ for t in DERIVATIVES))
@@ -129,6 +153,7 @@ def accumulate_param_jacobians(
     dict
         ``id(param) -> (V, batch, *param.shape)``, summed over calls of a shared
         module. Parameters without any contribution are absent.
+
     """
     wanted = {id(p) for p in params}
     result: dict[int, torch.Tensor] = {}

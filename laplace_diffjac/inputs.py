@@ -32,6 +32,7 @@ def check_tensor_batch(x: object, model: nn.Module, backend: str) -> torch.Tenso
     InvalidInputError
         For mappings, non-tensors, scalars, empty batches, and a device or
         floating dtype that differs from the model's.
+
     """
     if isinstance(x, Mapping):
         raise InvalidInputError(
@@ -84,6 +85,7 @@ def check_mapping_or_tensor_batch(x: object, model: nn.Module, backend: str) -> 
     -------
     int
         The batch size.
+
     """
     if not isinstance(x, Mapping):
         return check_tensor_batch(x, model, backend).shape[0]
@@ -123,6 +125,7 @@ def check_model_output(f: object, batch_size: int) -> torch.Tensor:
     -------
     torch.Tensor
         ``f`` itself.
+
     """
     if not isinstance(f, torch.Tensor):
         raise InvalidInputError(

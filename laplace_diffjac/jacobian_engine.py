@@ -64,6 +64,7 @@ def parameter_jacobians(
         ``(batch, C, P)``, or ``(batch, S, P)`` with ``selected_outputs``.
     f : torch.Tensor
         Model output as returned by the model, ``(batch, C)`` or ``(batch,)``.
+
     """
     root = model if root is None else root
     modules = owning_modules(root, params)
@@ -115,6 +116,7 @@ def per_sample_gradients(
         ``(batch, P)``, detached.
     loss : torch.Tensor
         The scalar loss, detached.
+
     """
     root = model if root is None else root
     modules = owning_modules(root, params)
@@ -144,8 +146,7 @@ def _output_signals(f: torch.Tensor, selected: torch.Tensor | None) -> torch.Ten
         selected = selected[:, None]
     if selected.shape[0] != batch:
         raise ValueError(
-            f"Output selectors have {selected.shape[0]} rows but the batch has "
-            f"{batch}."
+            f"Output selectors have {selected.shape[0]} rows but the batch has {batch}."
         )
     if selected.numel() and (selected.min() < 0 or selected.max() >= n_out):
         raise ValueError(f"Output selectors must lie in [0, {n_out}).")
@@ -200,7 +201,7 @@ def _assemble(
     batch: int,
     like: torch.Tensor,
 ) -> torch.Tensor:
-    """Concatenate per-parameter ``(V, batch, *shape)`` blocks into ``(batch, V, P)``."""
+    """Concatenate per-parameter ``(V, batch, *shape)`` blocks to ``(batch, V, P)``."""
     pieces = []
     for p in params:
         block = jacs.get(id(p))

@@ -38,6 +38,7 @@ def last_layer_jacobians(
         ``(batch, C, C * D + C)`` (without the last block if there is no bias).
     f : torch.Tensor
         ``(batch, C)``.
+
     """
     last = getattr(model, "last_layer", None)
     if not isinstance(last, nn.Linear):
@@ -46,8 +47,9 @@ def last_layer_jacobians(
             f"(got {type(last).__name__}); wrap the model in laplace-torch's "
             "FeatureExtractor or use last_layer=False."
         )
-    with preserved_state(model), torch.set_grad_enabled(
-        enable_backprop or torch.is_grad_enabled()
+    with (
+        preserved_state(model),
+        torch.set_grad_enabled(enable_backprop or torch.is_grad_enabled()),
     ):
         with recorded_calls([last]) as calls:
             f = model(x)

@@ -27,6 +27,7 @@ class LayerCall:
         Its positional inputs, graph-connected.
     output : torch.Tensor
         Its output (the first element for modules that return tuples).
+
     """
 
     module: nn.Module
@@ -47,6 +48,7 @@ def recorded_calls(modules: Sequence[nn.Module]) -> Iterator[list[LayerCall]]:
     ------
     list of LayerCall
         Filled in call order while the block runs.
+
     """
     calls: list[LayerCall] = []
 

@@ -87,6 +87,7 @@ def preserved_state(*modules: nn.Module | None) -> Iterator[None]:
     Yields
     ------
     None
+
     """
     module_snaps: list[_ObjectSnapshot] = []
     tensor_snaps: list[_ParameterSnapshot] = []

@@ -15,7 +15,7 @@ from torch.func import functional_call, jacrev, vmap
 def reference_jacobians(
     model: nn.Module, x: torch.Tensor, params: Sequence[torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample ``vmap(jacrev(functional_call))``: ``(batch, C, P)`` and ``(batch, C)``.
+    """Per-sample ``vmap(jacrev(functional_call))``: ``(batch, C, P)``, ``(batch, C)``.
 
     Differentiable with respect to ``x`` and the parameters by ordinary autograd.
     """

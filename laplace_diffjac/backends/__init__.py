@@ -1,5 +1,4 @@
-"""Curvature backends for laplace-torch whose Jacobians are graph-connected and free
-of side effects."""
+"""Curvature backends for laplace-torch: graph-connected, free of side effects."""
 
 from .backpack import DiffBackPackEF, DiffBackPackGGN
 from .functorch import DiffFuncGGN

@@ -1,5 +1,6 @@
-"""``DiffBackPackGGN`` and ``DiffBackPackEF``: laplace-torch's BackPACK backends,
-reimplemented on :mod:`laplace_diffjac.jacobian_engine` and
+"""``DiffBackPackGGN`` and ``DiffBackPackEF``: laplace-torch's BackPACK backends.
+
+Both are reimplemented on :mod:`laplace_diffjac.jacobian_engine` and
 :mod:`laplace_diffjac.backpack_run`.
 
 Every method that runs a backward pass is replaced. The results equal laplace-torch's
@@ -91,6 +92,7 @@ class _SideEffectFreeBackPack:
             ``(batch, outputs, parameters)``.
         f : torch.Tensor
             Model output ``(batch, outputs)``.
+
         """
         x = check_tensor_batch(x, self.model, self._name)
         Js, f = parameter_jacobians(
@@ -120,6 +122,7 @@ class _SideEffectFreeBackPack:
             ``(batch, outputs, last-layer parameters)``.
         f : torch.Tensor
             ``(batch, outputs)``.
+
         """
         x = check_tensor_batch(x, self.model, self._name)
         return last_layer_jacobians(self.model, x, enable_backprop)
@@ -147,6 +150,7 @@ class _SideEffectFreeBackPack:
             ``(batch, selected, parameters)``.
         f : torch.Tensor
             ``(batch, outputs)``.
+
         """
         x = check_tensor_batch(x, self.model, self._name)
         Js, f = parameter_jacobians(
@@ -177,6 +181,7 @@ class _SideEffectFreeBackPack:
             ``(batch, parameters)``.
         loss : torch.Tensor
             Scalar loss (not multiplied by ``factor``, as in laplace-torch).
+
         """
         x = check_tensor_batch(x, self.model, self._name)
         Gs, loss = per_sample_gradients(
@@ -227,6 +232,7 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
         Monte-Carlo Fisher (``DiagGGNMC``/``KFAC``) instead of the exact GGN.
     **kwargs
         Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``).
+
     """
 
     def __init__(
@@ -261,6 +267,7 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
             ``factor * loss``.
         H : torch.Tensor
             ``(parameters,)``.
+
         """
         extension = DiagGGNMC() if self.stochastic else DiagGGNExact()
         return self._diag_with(x, y, extension)
@@ -287,6 +294,7 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
             ``factor * loss``.
         H : laplace.utils.Kron
             Kronecker factors per parameter.
+
         """
         extension = KFAC() if self.stochastic else KFLR()
         loss, values = self._run(x, y, extension)
@@ -309,6 +317,7 @@ class DiffBackPackEF(_SideEffectFreeBackPack, BackPackEF):
         Indices of the flattened parameter vector that form the subnetwork.
     **kwargs
         Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``).
+
     """
 
     def diag(
@@ -331,5 +340,6 @@ class DiffBackPackEF(_SideEffectFreeBackPack, BackPackEF):
             ``factor * loss``.
         H : torch.Tensor
             ``(parameters,)``.
+
         """
         return self._diag_with(x, y, SumGradSquared())

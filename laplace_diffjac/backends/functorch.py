@@ -38,14 +38,13 @@ class DiffFuncGGN(GGNInterface):
     **kwargs
         Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``, ``stochastic``,
         ``num_samples``).
+
     """
 
     def _named_params(self) -> dict[str, torch.Tensor]:
         """Trainable parameters of ``self._model``, named as in ``self.model``."""
         wanted = {id(p) for p in self.params}
-        return {
-            name: p for name, p in self.model.named_parameters() if id(p) in wanted
-        }
+        return {name: p for name, p in self.model.named_parameters() if id(p) in wanted}
 
     def _per_sample_outputs(self, x: Any, params: dict[str, torch.Tensor]) -> Any:
         model = self.model
@@ -75,6 +74,7 @@ class DiffFuncGGN(GGNInterface):
             ``(batch, outputs, parameters)``.
         f : torch.Tensor
             ``(batch, outputs)``.
+
         """
         return self._jacobians(x, None, enable_backprop)
 
@@ -98,6 +98,7 @@ class DiffFuncGGN(GGNInterface):
             ``(batch, selected, parameters)``.
         f : torch.Tensor
             ``(batch, outputs)``.
+
         """
         outputs = outputs if outputs.dim() == 2 else outputs[:, None]
         return self._jacobians(x, outputs.long(), enable_backprop)
@@ -154,6 +155,7 @@ class DiffFuncGGN(GGNInterface):
             ``(batch, outputs, last-layer parameters)``.
         f : torch.Tensor
             ``(batch, outputs)``.
+
         """
         check_mapping_or_tensor_batch(x, self.model, type(self).__name__)
         return last_layer_jacobians(self.model, x, enable_backprop)
@@ -167,6 +169,7 @@ class DiffFuncGGN(GGNInterface):
         ------
         NotImplementedError
             Always, naming the backends that offer it.
+
         """
         raise NotImplementedError(
             "DiffFuncGGN has no Kronecker-factored curvature: torch.func offers no "

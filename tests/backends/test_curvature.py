@@ -75,7 +75,7 @@ GGN_CASES = [
 def test_interleaved_calls_are_fresh_and_equal_upstream(
     ours_cls, ref_cls, method, likelihood
 ):
-    """``method(X); jacobians(X); method(X2)`` returns ``method(X2)`` of a fresh model."""
+    """``method(X); jacobians(X); method(X2)`` gives ``method(X2)`` of a fresh model."""
     ours = ours_cls(kron_friendly_mlp(), likelihood)
     x1, y1 = _data(1, likelihood)
     x2, y2 = _data(2, likelihood)
@@ -122,7 +122,7 @@ def test_ggn_matches_torch_func_reference(backend_cls):
 
 
 def test_upstream_returns_stale_diag_after_jacobians():
-    """Documents the upstream bug our backends fix (so the test above means something)."""
+    """Documents the upstream bug our backends fix (so the test above can fail)."""
     backend = _upstream(BackPackGGN, "classification")
     x1, y1 = _data(1, "classification")
     x2, y2 = _data(2, "classification")

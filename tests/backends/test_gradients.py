@@ -13,7 +13,11 @@ from tests.references import reference_jacobians
 def _objective(J: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     """A smooth function of (J, f) that touches every entry, like an NTK objective."""
     K = torch.einsum("bcp,dep->bdce", J, J).flatten(0, 1)
-    return (K**2).sum().sqrt() + torch.logsumexp(J.flatten(), 0) + (f.sin() * J.sum(-1)).sum()
+    return (
+        (K**2).sum().sqrt()
+        + torch.logsumexp(J.flatten(), 0)
+        + (f.sin() * J.sum(-1)).sum()
+    )
 
 
 def _inputs(case: Case, leaf: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,7 @@ from tests.backends.methods import kron_friendly_mlp, method_calls
 from tests.conftest import BACKENDS
 from tests.references import assert_same_state, model_state
 
-METHOD_CASES = [
-    (cls, name) for cls in BACKENDS for name in method_calls(cls)
-]
+METHOD_CASES = [(cls, name) for cls in BACKENDS for name in method_calls(cls)]
 IDS = [f"{cls.__name__}-{name}" for cls, name in METHOD_CASES]
 
 
@@ -29,8 +27,9 @@ def _data(batch: int = 4):
 def _torch_func_works(model) -> None:
     params = dict(model.named_parameters())
     x, _ = _data()
-    out = vmap(jacrev(lambda p, xi: functional_call(model, p, (xi[None],))),
-               in_dims=(None, 0))(params, x)
+    out = vmap(
+        jacrev(lambda p, xi: functional_call(model, p, (xi[None],))), in_dims=(None, 0)
+    )(params, x)
     assert all(torch.isfinite(v).all() for v in out.values())
 
 
@@ -118,10 +117,14 @@ def test_user_extended_model_still_works(backend_cls, method):
     x, y = _data()
     if backend_cls is DiffFuncGGN:  # torch.func cannot trace backward hooks
         with pytest.raises(UnsupportedModuleError, match="DiffBackPackGGN"):
-            method_calls(backend_cls)[method](backend_cls(model, "classification"), x, y)
+            method_calls(backend_cls)[method](
+                backend_cls(model, "classification"), x, y
+            )
         return
     ours = method_calls(backend_cls)[method](backend_cls(model, "classification"), x, y)
-    ref = method_calls(backend_cls)[method](backend_cls(reference, "classification"), x, y)
+    ref = method_calls(backend_cls)[method](
+        backend_cls(reference, "classification"), x, y
+    )
     for a, b in zip(_flat(ours), _flat(ref)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert not any(hasattr(p, "grad_batch") for p in model.parameters())

@@ -1,0 +1,105 @@
+"""Contract 8: bad input gets a clear error and leaves the model untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from laplace_diffjac import (
+    DiffBackPackEF,
+    DiffBackPackGGN,
+    DiffFuncGGN,
+    InvalidInputError,
+)
+from tests.backends.methods import kron_friendly_mlp, method_calls
+from tests.conftest import BACKENDS
+from tests.references import assert_same_state, model_state
+
+BACKPACK_BACKENDS = [DiffBackPackGGN, DiffBackPackEF]
+
+
+@pytest.mark.parametrize("backend_cls", BACKPACK_BACKENDS, ids=lambda c: c.__name__)
+def test_dict_input_points_to_functorch_backend(backend_cls):
+    model = kron_friendly_mlp()
+    before = model_state(model)
+    with pytest.raises(InvalidInputError, match="DiffFuncGGN"):
+        backend_cls(model, "regression").jacobians({"x": torch.zeros(2, 3)})
+    assert_same_state(before, model_state(model))
+
+
+BAD_INPUTS = {
+    "empty batch": (torch.zeros(0, 3, dtype=torch.float64), "empty batch"),
+    "wrong dtype": (torch.zeros(2, 3, dtype=torch.float32), "x.to"),
+    "wrong device": (torch.zeros(2, 3, dtype=torch.float64, device="meta"), "x.to"),
+    "scalar": (torch.tensor(1.0, dtype=torch.float64), "scalar"),
+    "not a tensor": ([[0.0, 1.0, 2.0]], "torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("what", list(BAD_INPUTS))
+def test_bad_inputs_are_named(backend_cls, what):
+    x, message = BAD_INPUTS[what]
+    model = kron_friendly_mlp()
+    before = model_state(model)
+    backend = backend_cls(model, "classification")
+    y = torch.zeros(2, dtype=torch.long)
+    for call in method_calls(backend_cls).values():
+        if backend_cls is DiffFuncGGN and what == "not a tensor":
+            continue  # torch.func backends accept pytrees; nothing to check here
+        with pytest.raises((InvalidInputError, ValueError), match=message):
+            call(backend, x, y)
+    assert_same_state(before, model_state(model))
+
+
+class _Boom(nn.Module):
+    """Raises in forward or in backward on demand."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+
+    def forward(self, x):
+        if self.where == "forward":
+            raise RuntimeError("boom in forward")
+        if self.where == "backward":
+            return _FailingBackward.apply(x)
+        return x
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return _FailingBackward.apply(x), in_dims[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom in backward")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("backend_cls", BACKENDS, ids=lambda c: c.__name__)
+def test_exceptions_leave_nothing_behind(backend_cls, where):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), _Boom(where), nn.Linear(4, 3))
+    model = model.double()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = model_state(model)
+    backend = backend_cls(model, "classification")
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.zeros(2, dtype=torch.long)
+    for name, call in method_calls(backend_cls).items():
+        with pytest.raises(Exception, match="boom"):
+            call(backend, x, y)
+        assert_same_state(before, model_state(model))
+        assert x.grad is None, name
