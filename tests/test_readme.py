@@ -1,0 +1,56 @@
+"""The README's example runs, and everything it claims about it holds."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import torch
+
+from tests.references import reference_jacobians
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _block(marker: str) -> str:
+    text = README.read_text()
+    match = re.search(
+        rf"<!-- {marker} -->\s*```(?:python)?\n(.*?)```\s*<!-- /{marker} -->",
+        text,
+        re.S,
+    )
+    assert match, f"README has no {marker} block"
+    return match.group(1)
+
+
+def test_readme_example_runs_and_moves_only_x():
+    namespace: dict = {}
+    torch.manual_seed(0)
+    exec(compile(_block("readme-example"), "README.md", "exec"), namespace)  # noqa: S102
+    x, model, backend = namespace["x"], namespace["model"], namespace["backend"]
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks or m._backward_hooks for m in model.modules())
+    assert not any(hasattr(p, "grad_batch") for p in model.parameters())
+    assert not torch.allclose(x, torch.linspace(-2, 2, 8).unsqueeze(1))
+
+    # The example's gradient equals a float64 torch.func reference at the final x.
+    model64 = copy.deepcopy(model).double()
+    x64 = x.detach().double().requires_grad_(True)
+    J_ref, _ = reference_jacobians(model64, x64)
+    K_ref = J_ref.flatten(1) @ J_ref.flatten(1).T
+    (g_ref,) = torch.autograd.grad(-torch.logdet(K_ref + torch.eye(8).double()), x64)
+    x_now = x.detach().clone().requires_grad_(True)
+    Js, _ = backend.jacobians(x_now, enable_backprop=True)
+    K = Js.flatten(1) @ Js.flatten(1).T
+    (g,) = torch.autograd.grad(-torch.logdet(K + torch.eye(8)), x_now)
+    torch.testing.assert_close(g.double(), g_ref, rtol=1e-3, atol=1e-5)
+
+
+def test_readme_commands_are_the_ones_ci_runs():
+    main = _block("main-command").strip()
+    test = _block("test-command").strip()
+    assert main.endswith("python -m laplace_diffjac")
+    assert 'pip install -e ".[test]"' in test and test.endswith("python -m pytest")
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "test-command" in ci
