@@ -33,8 +33,9 @@ def _torch_func_works(model) -> None:
     assert all(torch.isfinite(v).all() for v in out.values())
 
 
+@pytest.mark.parametrize("x_has_grad", [True, False], ids=["x.grad-set", "x.grad-None"])
 @pytest.mark.parametrize(("backend_cls", "method"), METHOD_CASES, ids=IDS)
-def test_model_params_and_leaf_input_untouched(backend_cls, method):
+def test_model_params_and_leaf_input_untouched(backend_cls, method, x_has_grad):
     model = kron_friendly_mlp()
     for p in model.parameters():  # gradients a user had accumulated
         p.grad = torch.randn_like(p)
@@ -45,10 +46,12 @@ def test_model_params_and_leaf_input_untouched(backend_cls, method):
 
     x, y = _data()
     x.requires_grad_(True)
-    x.grad = torch.ones_like(x)
+    x.grad = torch.ones_like(x) if x_has_grad else None
     grad_before = x.grad
     result = method_calls(backend_cls)[method](backend, x, y)
-    assert x.grad is grad_before and torch.equal(x.grad, torch.ones_like(x))
+    assert x.grad is grad_before
+    if x_has_grad:
+        assert torch.equal(x.grad, torch.ones_like(x))
     assert_same_state(before, model_state(model))
     _torch_func_works(model)
     del result
