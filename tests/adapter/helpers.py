@@ -52,11 +52,13 @@ def n_outputs_for(likelihood: str) -> int:
     return 2 if likelihood == "regression" else 3
 
 
-def train_loader(likelihood: str, n: int = 12, batch_size: int = 6) -> DataLoader:
+def train_loader(
+    likelihood: str, n: int = 12, batch_size: int = 6, n_outputs: int | None = None
+) -> DataLoader:
     """A seeded data set of ``n`` points in two batches."""
     gen = torch.Generator().manual_seed(3)
     X = torch.randn(n, 3, generator=gen, dtype=torch.float64)
-    c = n_outputs_for(likelihood)
+    c = n_outputs_for(likelihood) if n_outputs is None else n_outputs
     if likelihood == "regression":
         y = torch.randn(n, c, generator=gen, dtype=torch.float64)
     else:
