@@ -1,0 +1,75 @@
+"""Timing and resident-memory helpers for the benchmark workers."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+_STATUS = "/proc/self/status"
+
+
+def median_seconds(
+    fn: Callable[[], object], *, budget_s: float, min_reps: int, max_reps: int
+) -> tuple[float, int]:
+    """Median wall time of ``fn()`` over at least ``min_reps`` runs.
+
+    Repeats until ``budget_s`` is spent or ``max_reps`` runs are done.
+
+    Returns
+    -------
+    median : float
+        Seconds.
+    reps : int
+        Runs timed.
+    """
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= min_reps and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times), len(times)
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open(_STATUS) as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def current_rss_mib() -> float:
+    """Resident set size now, MiB."""
+    gc.collect()
+    kib = _status_kib("VmRSS")
+    if kib is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return kib / 1024.0
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's resident high-water mark (Linux >= 4.0); ``False`` if not."""
+    try:
+        with open(_CLEAR_REFS, "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float:
+    """Resident high-water mark, MiB (since the last :func:`reset_peak_rss`)."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return kib / 1024.0

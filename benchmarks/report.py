@@ -1,0 +1,320 @@
+"""Markdown report of the benchmark results: tables of times, ratios and targets."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import statistics
+
+from methods import JACOBIAN_METHODS, TORCH_FUNC_METHODS
+
+BASELINE = "lt_BackPackGGN"
+#: Tolerance of the float32 Jacobians against the float64 reference.
+J_TOLERANCE = 1e-4
+
+
+def machine_description() -> list[str]:
+    """CPU model, cores, library versions and date, one Markdown bullet each."""
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+
+    return [
+        f"- CPU: {cpu}, {os.cpu_count()} cores, torch threads: "
+        f"{torch.get_num_threads()}",
+        f"- torch {torch.__version__}, laplace-torch {version('laplace-torch')}, "
+        f"backpack-for-pytorch {version('backpack-for-pytorch')}, "
+        f"Python {platform.python_version()}",
+        f"- date: {datetime.datetime.now().isoformat(timespec='minutes')}",
+    ]
+
+
+def passes(res: dict) -> bool:
+    """A Jacobian result is correct if it ran and J is within float32 tolerance."""
+    if not res.get("ok"):
+        return False
+    err = res.get("rel_err_J", res.get("rel_err_K"))
+    return err is not None and err < J_TOLERANCE
+
+
+def _ms(t: float | None) -> str:
+    return "–" if t is None else f"{1e3 * t:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 1e-9:
+        return None
+    return a / b
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "–" if r is None else f"{r:.2f}×"
+
+
+def _by(results: list[dict], task: str) -> dict[str, dict[str, dict]]:
+    table: dict[str, dict[str, dict]] = {}
+    for res in results:
+        if res["task"] == task:
+            table.setdefault(res["config"], {})[res["method"]] = res
+    return table
+
+
+def _get(res: dict | None, key: str) -> float | None:
+    if res is None or not res.get("ok"):
+        return None
+    return res.get(key)
+
+
+def jacobian_tables(results: list[dict]) -> tuple[list[str], dict]:
+    """Headline table, detail table and the per-config speed-ups for the targets."""
+    table = _by(results, "jacobian")
+    methods = [m for m in JACOBIAN_METHODS if any(m in r for r in table.values())]
+    head = ["config", "P", "obj."] + methods
+    lines = [
+        "### Headline: Jacobian part of the full step, ms (speed-up vs "
+        f"`{BASELINE}` / vs fastest torch.func route)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    speed: dict[str, dict[str, list[float]]] = {}
+    for cfg, row in table.items():
+        any_res = next(iter(row.values()))
+        base = _get(row.get(BASELINE), "t_jac_part")
+        func = [
+            _get(row.get(m), "t_jac_part")
+            for m in TORCH_FUNC_METHODS
+            if _get(row.get(m), "t_jac_part") is not None
+        ]
+        fastest_func = min(func) if func else None
+        cells = [cfg, str(any_res.get("n_params", "–")), any_res.get("objective", "–")]
+        for m in methods:
+            t = _get(row.get(m), "t_jac_part")
+            r_base, r_func = _ratio(base, t), _ratio(fastest_func, t)
+            cells.append(f"{_ms(t)} ({_fmt_ratio(r_base)} / {_fmt_ratio(r_func)})")
+            for key, val in (("vs_base", r_base), ("vs_func", r_func)):
+                if val is not None:
+                    speed.setdefault(m, {}).setdefault(key, []).append(val)
+            vmap = _get(row.get("vmap_jacrev"), "t_jac_part")
+            if t is not None and vmap is not None and t > 1e-9:
+                speed.setdefault(m, {}).setdefault("vs_vmap", []).append(vmap / t)
+            mem = [_get(row.get(k), "peak_mib") for k in (BASELINE, "vmap_jacrev")]
+            mem = [v for v in mem if v is not None]
+            peak = _get(row.get(m), "peak_mib")
+            if mem and peak is not None and min(mem) > 0:
+                speed.setdefault(m, {}).setdefault("mem", []).append(peak / min(mem))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", _median_row(speed, methods), ""]
+    lines += _detail_table(table, methods)
+    return lines, speed
+
+
+def _median_row(speed: dict, methods: list[str]) -> str:
+    parts = []
+    for m in methods:
+        s = speed.get(m, {})
+        vb = s.get("vs_base", [])
+        vf = s.get("vs_func", [])
+        if vb and vf:
+            parts.append(
+                f"`{m}` {statistics.median(vb):.2f}× / {statistics.median(vf):.2f}×"
+            )
+    return "Median speed-up over configs (vs baseline / vs fastest torch.func): " + (
+        "; ".join(parts)
+    )
+
+
+def _detail_table(table: dict, methods: list[str]) -> list[str]:
+    head = [
+        "config",
+        "method",
+        "J (ms)",
+        "J ratio vs BP",
+        "full (ms)",
+        "objective (ms)",
+        "Jac part (ms)",
+        "peak MiB",
+        "mem ratio",
+        "rel err J",
+        "rel err ∇x",
+        "correct",
+    ]
+    lines = [
+        "### All figures",
+        "",
+        "J: Jacobians alone (`enable_backprop=True`). full: Jacobians + gradient of "
+        "the objective w.r.t. x. Jac part = full − objective alone. peak: resident "
+        "high-water mark of the full step over the baseline after imports and model "
+        "construction, fresh process. mem ratio: peak / min(peak of "
+        f"`{BASELINE}`, peak of `vmap_jacrev`). Errors: max abs error / max abs value "
+        "against float64 per-sample `vmap(jacrev)`.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for cfg, row in table.items():
+        base = _get(row.get(BASELINE), "t_jac")
+        mem = [_get(row.get(k), "peak_mib") for k in (BASELINE, "vmap_jacrev")]
+        mem = [v for v in mem if v is not None]
+        for m in methods:
+            res = row.get(m)
+            if res is None:
+                continue
+            if not res.get("ok"):
+                lines.append(
+                    f"| {cfg} | {m} | failed: {res.get('error', '?')[:80]} |"
+                    + " |" * (len(head) - 3)
+                )
+                continue
+            peak = res["peak_mib"]
+            cells = [
+                cfg,
+                m,
+                _ms(res["t_jac"]),
+                _fmt_ratio(_ratio(base, res["t_jac"])),
+                _ms(res["t_full"]),
+                _ms(res["t_obj"]),
+                _ms(res["t_jac_part"]),
+                f"{peak:.0f}",
+                _fmt_ratio(peak / min(mem)) if mem and min(mem) > 0 else "–",
+                f"{res['rel_err_J']:.1e}",
+                f"{res['rel_err_grad_x']:.1e}",
+                "yes" if passes(res) else "NO",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def gram_table(results: list[dict]) -> tuple[list[str], dict]:
+    """Gram routes side by side, with the structured speed-up over forming J."""
+    table = _by(results, "gram")
+    head = [
+        "config",
+        "P",
+        "route",
+        "Gram (ms)",
+        "Gram + ∇x (ms)",
+        "speed-up vs J",
+        "peak MiB",
+        "rel err K",
+        "correct",
+    ]
+    lines = [
+        "### NTK Gram `K (B, B, C, C)`: structured vs forming J",
+        "",
+        "J: DiffBackPackGGN Jacobians + `einsum('bcp,dep->bdce')`. structured: "
+        "`laplace_diffjac.structured_ntk` (per-layer input and output-gradient "
+        "Grams, no J). kernel: `laplace_diffjac.kernel.ntk`. Gram + ∇x: Gram and "
+        "the gradient of its trace w.r.t. x; peak memory of that step.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    speed: dict[str, float] = {}
+    for cfg, row in table.items():
+        t_j = _get(row.get("J"), "t_gram")
+        for route, res in row.items():
+            if not res.get("ok"):
+                lines.append(
+                    f"| {cfg} | – | {route} | failed: {res.get('error', '?')[:80]} |"
+                    + " |" * (len(head) - 4)
+                )
+                continue
+            r = _ratio(t_j, res["t_gram"])
+            if route == "structured" and r is not None:
+                speed[cfg] = r
+            cells = [
+                cfg,
+                str(res["n_params"]),
+                route,
+                _ms(res["t_gram"]),
+                _ms(res["t_full"]),
+                _fmt_ratio(r),
+                f"{res['peak_mib']:.0f}",
+                f"{res['rel_err_K']:.1e}",
+                "yes" if passes(res) else "NO",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines, speed
+
+
+def target_lines(speed: dict, gram_speed: dict) -> list[str]:
+    """The issue's targets, checked on this run's numbers."""
+
+    def stat(m: str, key: str, fn) -> float | None:
+        vals = speed.get(m, {}).get(key, [])
+        return fn(vals) if vals else None
+
+    med, lo, hi = statistics.median, min, max
+    dbp, dfg = "DiffBackPackGGN", "DiffFuncGGN"
+    checks = [
+        (f"{dbp} ≥ 3× {BASELINE} (median)", stat(dbp, "vs_base", med), 3.0, ">="),
+        (f"{dbp} ≥ 1× vmap_jacrev (min)", stat(dbp, "vs_vmap", lo), 1.0, ">="),
+        (f"{dbp} ≥ 1.2× vmap_jacrev (median)", stat(dbp, "vs_vmap", med), 1.2, ">="),
+        (f"{dfg} ≥ 1× vmap_jacrev (min)", stat(dfg, "vs_vmap", lo), 1.0, ">="),
+        (f"{dbp} peak ≤ 1.1 × min(BP, vmap) (max)", stat(dbp, "mem", hi), 1.1, "<="),
+        (f"{dfg} peak ≤ 1.1 × min(BP, vmap) (max)", stat(dfg, "mem", hi), 1.1, "<="),
+    ]  # fmt: skip
+    big = [v for k, v in gram_speed.items() if k.startswith("mlp2x512-C1-B256")]
+    target = "structured Gram ≥ 5× J route, width 512, B 256"
+    checks.append((target, big[0] if big else None, 5.0, ">="))
+    lines = ["### Targets", "", "| target | measured | met |", "|---|---|---|"]
+    for name, val, bound, op in checks:
+        if val is None:
+            lines.append(f"| {name} | – | not measured |")
+            continue
+        ok = val >= bound if op == ">=" else val <= bound
+        lines.append(f"| {name} | {val:.2f} | {'yes' if ok else 'no'} |")
+    return lines
+
+
+def write_report(
+    results: list[dict], path: str, *, quick: bool, notes: list[str], wall_s: float
+) -> None:
+    """Write the Markdown report of one benchmark run to ``path``."""
+    jac_lines, speed = jacobian_tables(results)
+    gram_lines, gram_speed = gram_table(results)
+    mode = "quick (smoke sizes; timings meaningless)" if quick else "full"
+    lines = [
+        "# laplace_diffjac benchmarks",
+        "",
+        f"Generated by `python benchmarks/run.py{' --quick' if quick else ''}` "
+        f"({mode}, {wall_s:.0f} s wall).",
+        "",
+        *machine_description(),
+        "",
+        "Each (configuration, method) ran in its own fresh process (quick mode: "
+        "one process per configuration). Medians of at least three runs (one in "
+        "quick mode). Speed-up = other time / this time "
+        "(> 1: faster). Objective of the full step: `logdet` = logdet(I + J Jᵀ) on "
+        "the (B·C)² Gram where (B·C)²·P ≤ 1e9; otherwise `trace` = tr(J Jᵀ) = "
+        "‖J‖²_F, so that the objective's own cost stays small next to the "
+        "Jacobians.",
+        "",
+        *[f"- Note: {n}" for n in notes],
+        "",
+        *target_lines(speed, gram_speed),
+        "",
+        *jac_lines,
+        "",
+        *gram_lines,
+        "",
+    ]
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines))

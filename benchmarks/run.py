@@ -1,0 +1,141 @@
+"""Benchmark the Jacobian routes side by side: ``python benchmarks/run.py [--quick]``.
+
+Every (configuration, method) pair runs in its own fresh subprocess
+(:mod:`worker`), so the peak-memory figures do not see each other. The Markdown
+report (default ``benchmarks/RESULTS.md``) and the raw results (``--json``) are
+written by :mod:`report`. ``--quick`` runs smoke-size cases in well under a minute;
+its timings mean nothing, it checks the harness (``tests/test_benchmarks.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from cases import FULL, GRAM_FULL, GRAM_QUICK, QUICK, Config  # noqa: E402
+from methods import JACOBIAN_METHODS  # noqa: E402
+from report import write_report  # noqa: E402
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def gram_routes() -> tuple[list[str], list[str]]:
+    """Available Gram routes, and notes on the missing ones."""
+    routes, notes = ["J"], []
+    if _has_module("laplace_diffjac.structured_ntk"):
+        routes.append("structured")
+    else:
+        notes.append("`laplace_diffjac.structured_ntk` absent: no structured column.")
+    if _has_module("laplace_diffjac.kernel"):
+        routes.append("kernel")
+    else:
+        notes.append(
+            "`laplace_diffjac.kernel.ntk` absent at the time of the run: the "
+            "context optimiser's Gram column is skipped."
+        )
+    return routes, notes
+
+
+def run_worker(spec: dict, timeout: float) -> list[dict]:
+    """Run one spec in a fresh interpreter and parse its ``RESULT`` lines."""
+    cmd = [sys.executable, os.path.join(HERE, "worker.py"), json.dumps(spec)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    error = None
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env
+        )
+        got = {}
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT ") :])
+                got[res["method"]] = res
+        error = f"worker exit {proc.returncode}: {(proc.stderr or '')[-300:]}"
+    except subprocess.TimeoutExpired:
+        got, error = {}, f"timeout after {timeout:.0f} s"
+    name = Config(**spec["config"]).name
+    return [
+        got.get(m)
+        or {"config": name, "task": spec["task"], "method": m, "ok": False,
+            "error": error}
+        for m in spec["methods"]
+    ]  # fmt: skip
+
+
+def build_specs(quick: bool, methods: list[str]) -> tuple[list[dict], list[str]]:
+    """The measurements of one run, in order, and notes for the report."""
+    configs, grams = (QUICK, GRAM_QUICK) if quick else (FULL, GRAM_FULL)
+    routes, notes = gram_routes()
+    specs = []
+    for cfg in configs:
+        specs += _specs(cfg, "jacobian", methods, quick)
+        if "kernel" in routes and not quick:
+            specs += _specs(cfg, "gram", ["kernel"], quick)
+    for cfg, with_j in grams:
+        wanted = [r for r in routes if with_j or r != "J"]
+        specs += _specs(cfg, "gram", wanted, quick)
+    return specs, notes
+
+
+def _specs(cfg: Config, task: str, methods: list[str], quick: bool) -> list[dict]:
+    """One process per method; in quick mode one process per configuration."""
+    groups = [methods] if quick else [[m] for m in methods]
+    return [
+        {"config": cfg.to_dict(), "task": task, "methods": g, "quick": quick}
+        for g in groups
+    ]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke-size run")
+    parser.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    parser.add_argument("--json", default=None, help="also write raw results here")
+    parser.add_argument("--methods", nargs="*", default=list(JACOBIAN_METHODS))
+    parser.add_argument("--timeout", type=float, default=300.0, help="per worker, s")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="workers at once (default 1; 2 with --quick, where timings are moot)",
+    )
+    args = parser.parse_args(argv)
+    jobs = args.jobs or (2 if args.quick else 1)
+    specs, notes = build_specs(args.quick, args.methods)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = []
+        for batch in pool.map(lambda s: run_worker(s, args.timeout), specs):
+            for res in batch:
+                status = "ok" if res.get("ok") else f"FAILED ({res.get('error')})"
+                print(
+                    f"{res['config']:>24} {res['task']:>8} {res['method']:>16} "
+                    f"{status}",
+                    flush=True,
+                )
+                results.append(res)
+    elapsed = time.perf_counter() - start
+    write_report(results, args.out, quick=args.quick, notes=notes, wall_s=elapsed)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    print(f"wrote {args.out} ({elapsed:.0f} s)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
