@@ -26,7 +26,7 @@ import torch
 
 PriorPrecision = Union[float, torch.Tensor]
 
-__all__ = ["gram", "ntk", "ntk_diag", "prior_variance"]
+__all__ = ["gram", "jacobians", "ntk", "ntk_diag", "prior_variance"]
 
 
 def prior_variance(
@@ -97,18 +97,37 @@ def _chunks(x: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(torch.split(x, size, dim=0)) if x.shape[0] else [x]
 
 
+def jacobians(
+    backend: Any, x: torch.Tensor, enable_backprop: bool | None = None
+) -> torch.Tensor:
+    """Per-sample Jacobians of a backend, last-layer aware.
+
+    Parameters
+    ----------
+    backend : laplace.curvature.CurvatureInterface
+        Backend; with ``last_layer=True`` its ``last_layer_jacobians`` is used.
+    x : torch.Tensor
+        ``(B, *input_shape)``.
+    enable_backprop : bool, optional
+        Keep the graph; default: whether gradients are enabled.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, C, P)``.
+
+    """
+    if enable_backprop is None:
+        enable_backprop = torch.is_grad_enabled()
+    if getattr(backend, "last_layer", False):
+        Js, _ = backend.last_layer_jacobians(x, enable_backprop=enable_backprop)
+    else:
+        Js, _ = backend.jacobians(x, enable_backprop=enable_backprop)
+    return Js
+
+
 def _jacobian_fn(backend: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    last_layer = bool(getattr(backend, "last_layer", False))
-
-    def jac(x: torch.Tensor) -> torch.Tensor:
-        grad = torch.is_grad_enabled()
-        if last_layer:
-            Js, _ = backend.last_layer_jacobians(x, enable_backprop=grad)
-        else:
-            Js, _ = backend.jacobians(x, enable_backprop=grad)
-        return Js
-
-    return jac
+    return lambda x: jacobians(backend, x)
 
 
 def _structured_route(backend: Any, prior_var: torch.Tensor) -> Callable | None:
