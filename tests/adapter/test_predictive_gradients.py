@@ -28,7 +28,7 @@ from .helpers import (
 
 pytestmark = pytest.mark.filterwarnings(
     # laplace-torch 0.2.3 FunctionalLaplace warns on every prediction after fit.
-    "ignore:The prior precision has been changed since fit"
+    "ignore:The prior precision has.* changed since fit"
 )
 
 
