@@ -95,6 +95,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
 
         """
         super().fit(train_loader, progress_bar=progress_bar)
+        self._recompute_Sigma = False  # 0.2.3 leaves it set after fitting
         if self.reweight:
             weight = self.n_data / self.n_subset
             self._prior_factor_sod = 1.0
@@ -103,6 +104,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             else:
                 self.L = self.L * weight
             self._build_Sigma_inv()
+            self._recompute_Sigma = False
 
     def _get_SoD_data_loader(self, train_loader: DataLoader) -> DataLoader:
         """Locations with MAP pseudo-targets, batched like ``train_loader``."""
