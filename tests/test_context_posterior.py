@@ -177,36 +177,140 @@ def test_errors():
 @pytest.mark.filterwarnings("ignore:The prior precision has been changed since fit")
 @pytest.mark.parametrize("likelihood", ["regression", "classification"])
 def test_location_functional_laplace_equals_random_subset(likelihood):
-    """Given the subset FunctionalLaplace would draw, the posteriors are identical."""
+    """Given the subset FunctionalLaplace would draw, the fitted GPs are identical.
+
+    Predictive variances differ for C > 1 only by laplace-torch's ``K*M`` bug,
+    which ``test_location_functional_laplace_matches_dense_gp`` covers; the mean
+    and, for one output, the whole predictive agree.
+    """
+    for case in (CASES[0], MLP) if likelihood == "regression" else (MLP,):
+        model = case.model()
+        N, M = 30, 6
+        x = case.inputs(N, 1)
+        y = model(x).detach() if likelihood == "regression" else torch.arange(N) % 3
+        loader = DataLoader(TensorDataset(x, y), batch_size=4)
+        xs = case.inputs(5, 3)
+        kwargs = {"prior_precision": 2.0}
+        vanilla = FunctionalLaplace(
+            copy.deepcopy(model), likelihood, n_subset=M, seed=3, **kwargs
+        )
+        vanilla.fit(loader)
+        idx = SoDSampler(N=N, M=M, seed=3).indices
+        ours = functional_laplace_on_locations(
+            model, likelihood, x[idx], loader, **kwargs
+        )
+        assert ours.n_data == N
+        torch.testing.assert_close(ours.K_MM, vanilla.K_MM)
+        torch.testing.assert_close(ours.L, vanilla.L)
+        torch.testing.assert_close(ours.Sigma_inv, vanilla.Sigma_inv)
+        pred_v = vanilla(xs, pred_type="gp")
+        pred_o = ours(xs, pred_type="gp")
+        if likelihood == "regression":
+            torch.testing.assert_close(pred_o[0], pred_v[0])
+            if case.n_outputs == 1:
+                torch.testing.assert_close(pred_o[1], pred_v[1])
+
+
+def _dense_gp(model, z, xs, likelihood, prec, sigma, scale, weight, full, joint):
+    """Float64 GP posterior on locations ``z``: ``K** − K*M R (I + R K R)⁻¹ R K_M*``.
+
+    ``K = scale J Jᵀ / prec``; ``R = (weight Λ / σ²)^{1/2}`` block-diagonal, with
+    ``Λ`` the whole ``C × C`` block (``full``) or its diagonal.
+    """
+    Jz, fz = reference_jacobians(model, z)
+    Js, _ = reference_jacobians(model, xs)
+    lam = _lam(fz.detach(), likelihood, 1.0) * weight / sigma**2
+    if not full:
+        lam = torch.diag_embed(lam.diagonal(dim1=1, dim2=2))
+    s, U = torch.linalg.eigh(lam)
+    R = torch.block_diag(*(U * s.clamp_min(0).sqrt()[:, None, :]) @ U.mT)
+    Kzz, Kzs = scale * _blocks(Jz, Jz, prec), scale * _blocks(Jz, Js, prec)
+    Kss = scale * _blocks(Js, Js, prec)
+    eye = torch.eye(len(R)).double()
+    cov = Kss - Kzs.T @ R @ torch.linalg.solve(eye + R @ Kzz @ R, R @ Kzs)
+    return cov if joint else _per_input(cov, xs.shape[0], Js.shape[1])
+
+
+@pytest.mark.parametrize("joint", [False, True])
+@pytest.mark.parametrize("output_hessian", ["diagonal", "full"])
+@pytest.mark.parametrize("reweight", [False, True])
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_location_functional_laplace_matches_dense_gp(
+    likelihood, reweight, output_hessian, joint
+):
+    """C = 3 against a float64 dense GP from reference Jacobians, both laplace-torch.
+
+    Also checks that laplace-torch's own ``_build_K_star_M`` (which merges the test
+    output axis with the subset index) does not match it, i.e. that the override
+    is needed.
+    """
     model = MLP.model()
-    N, M = 30, 6
-    x = MLP.inputs(N, 1)
+    N, M, prec = 24, 4, 2.0
+    sigma = 0.5 if likelihood == "regression" else 1.0
+    x, z, xs = MLP.inputs(N, 1), MLP.inputs(M, 2), MLP.inputs(3, 3)
     y = model(x).detach() if likelihood == "regression" else torch.arange(N) % 3
-    loader = DataLoader(TensorDataset(x, y), batch_size=4)
-    xs = MLP.inputs(5, 3)
-    kwargs = {"prior_precision": 2.0}
-    vanilla = FunctionalLaplace(
-        copy.deepcopy(model), likelihood, n_subset=M, seed=3, **kwargs
+    loader = DataLoader(TensorDataset(x, y), batch_size=5)
+    kwargs = {"prior_precision": prec}
+    if likelihood == "regression":
+        kwargs["sigma_noise"] = sigma
+    la = LocationFunctionalLaplace(
+        model,
+        likelihood,
+        z,
+        reweight=reweight,
+        output_hessian=output_hessian,
+        **kwargs,
     )
-    vanilla.fit(loader)
-    idx = SoDSampler(N=N, M=M, seed=3).indices
-    ours = functional_laplace_on_locations(model, likelihood, x[idx], loader, **kwargs)
-    assert ours.n_data == N
-    pred_v = vanilla(xs, pred_type="gp")
-    pred_o = ours(xs, pred_type="gp")
-    for a, b in zip(
-        pred_v if isinstance(pred_v, tuple) else (pred_v,),
-        pred_o if isinstance(pred_o, tuple) else (pred_o,),
-    ):
-        torch.testing.assert_close(a, b)
+    la.fit(loader)
+    scale, weight = (1.0, N / M) if reweight else (M / N, 1.0)
+    ref = _dense_gp(
+        model,
+        z,
+        xs,
+        likelihood,
+        prec,
+        sigma,
+        scale,
+        weight,
+        output_hessian == "full",
+        joint,
+    )
+    Js, _ = reference_jacobians(model, xs)
+    ours = la.functional_covariance(Js) if joint else la.functional_variance(Js)
+    torch.testing.assert_close(ours, ref)
+    # With reweight=False in regression the kernel (times M / N) is small next to
+    # the noise, the subtracted term nearly vanishes and so does the bug's effect.
+    if output_hessian == "diagonal" and (likelihood == "classification" or reweight):
+        upstream = FunctionalLaplace._build_K_star_M
+        K_M_star = [
+            la.gp_kernel_prior_variance * la._kernel_batch_star(Js, Z)
+            for Z, _ in la.train_loader
+        ]
+        K_ss = la.gp_kernel_prior_variance * la._kernel_star(Js)
+        buggy = K_ss - upstream(la, K_M_star)
+        assert not torch.allclose(buggy, _per_input(ref, 3, 3) if joint else ref)
+
+
+def test_location_functional_laplace_options():
+    model = MLP.model()
+    z = MLP.inputs(3)
+    with pytest.raises(ValueError, match="output_hessian"):
+        LocationFunctionalLaplace(model, "regression", z, output_hessian="kron")
+    with pytest.raises(ValueError, match="independent_outputs"):
+        LocationFunctionalLaplace(
+            model,
+            "regression",
+            z,
+            output_hessian="full",
+            independent_outputs=True,
+        )
 
 
 def test_location_functional_laplace_reweight():
     """reweight=True: no prior scaling, Hessians at the locations times N / M.
 
-    Single output: laplace-torch's ``_build_K_star_M`` merges the wrong output axis
-    of ``K_{*M}`` for C > 1 (both 0.2.3 and 0.3), so a dense multi-output
-    reference would differ from FunctionalLaplace itself.
+    Single output, written out; C = 3 is covered by
+    ``test_location_functional_laplace_matches_dense_gp``.
     """
     model = CASES[0].model()
     N, M = 30, 5
