@@ -106,6 +106,7 @@ def nystrom_gap(
     n_data: int | None = None,
     jitter: float = 1e-6,
     chunk_size: int = 256,
+    x_jacobians: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Likelihood-weighted Nyström gap of a batch, differentiable w.r.t. ``Z``.
 
@@ -135,6 +136,9 @@ def nystrom_gap(
         Added to ``K_ZZ``'s diagonal, relative to its mean diagonal entry.
     chunk_size : int, default=256
         Inputs of ``x`` whose Jacobians are materialised at once.
+    x_jacobians : torch.Tensor, optional
+        The Jacobians ``(b, C, P)`` of ``x`` if already known (they do not depend
+        on ``Z``); they are then not recomputed.
 
     Returns
     -------
@@ -153,9 +157,18 @@ def nystrom_gap(
     eye = torch.eye(M * C, dtype=f64, device=K_zz.device)
     L = torch.linalg.cholesky(K_zz + scale * eye)
     gap = torch.zeros((), dtype=f64, device=K_zz.device)
-    for xc, lam in zip(torch.split(x, chunk_size), torch.split(hessians, chunk_size)):
+    known = (
+        torch.split(x_jacobians, chunk_size)
+        if x_jacobians is not None
+        else [None] * len(torch.split(x, chunk_size))
+    )
+    for xc, lam, J_x in zip(
+        torch.split(x, chunk_size), torch.split(hessians, chunk_size), known
+    ):
         b = xc.shape[0]
-        J_x = jacobians(backend, xc, enable_backprop=False).to(f64)
+        if J_x is None:
+            J_x = jacobians(backend, xc, enable_backprop=False)
+        J_x = J_x.detach().to(f64)
         lam = lam.to(f64)
         K_nn = torch.einsum("bcp,bep->bce", J_x * prior_var, J_x)
         K_zx = gram(J_z, J_x, prior_var).permute(0, 2, 1, 3).reshape(M * C, b * C)
@@ -173,22 +186,66 @@ def _hessians(
     return output_hessians(f, likelihood, sigma_noise, temp)
 
 
+class _TrainingCache:
+    """What does not depend on ``Z``: ``Λₙ`` and (if they fit) ``J(xₙ)``, once."""
+
+    def __init__(
+        self,
+        backend: Any,
+        model: nn.Module,
+        X: torch.Tensor,
+        likelihood: str,
+        lik: tuple,
+        cache_jacobians: bool | None,
+        chunk_size: int,
+        device: torch.device,
+    ) -> None:
+        self.X = X
+        with torch.no_grad():
+            self.hessians = torch.cat(
+                [
+                    _hessians(model, xc.to(device), likelihood, *lik)
+                    for xc in torch.split(X, chunk_size)
+                ]
+            )
+        C = self.hessians.shape[-1]
+        n_params = sum(p.numel() for p in backend.params)
+        size = X.shape[0] * C * n_params * X.element_size()
+        if cache_jacobians is None:
+            cache_jacobians = size <= _JACOBIAN_CACHE_BYTES
+        self.jacobians: torch.Tensor | None = None
+        if cache_jacobians:
+            with torch.no_grad():
+                self.jacobians = torch.cat(
+                    [
+                        jacobians(backend, xc.to(device), enable_backprop=False)
+                        for xc in torch.split(X, chunk_size)
+                    ]
+                )
+
+    def batch(self, idx: torch.Tensor | slice, device: torch.device) -> tuple:
+        J = None if self.jacobians is None else self.jacobians[idx]
+        return self.X[idx].to(device), self.hessians[idx], J
+
+
+_JACOBIAN_CACHE_BYTES = 512 * 2**20
+
+
 def _full_gap(
     backend: Any,
-    model: nn.Module,
-    X: torch.Tensor,
+    cache: _TrainingCache,
     Z: torch.Tensor,
-    likelihood: str,
     kwargs: dict[str, Any],
     batch_size: int,
 ) -> float:
-    device = Z.device
     total = 0.0
+    N = cache.X.shape[0]
     with torch.no_grad():
-        for xb in torch.split(X, batch_size):
-            xb = xb.to(device)
-            lam = _hessians(model, xb, likelihood, *kwargs["lik"])
-            total += float(nystrom_gap(backend, xb, Z, lam, **kwargs["gap"]))
+        for start in range(0, N, batch_size):
+            xb, lam, J = cache.batch(slice(start, start + batch_size), Z.device)
+            total += float(
+                nystrom_gap(backend, xb, Z, lam, x_jacobians=J, **kwargs["gap"])
+            )
     return total
 
 
@@ -211,6 +268,7 @@ def optimize_locations(
     seed: int = 0,
     progress_bar: bool = True,
     chunk_size: int = 256,
+    cache_jacobians: bool | None = None,
 ) -> LocationResult:
     """Choose ``M`` context locations that minimise the likelihood-weighted Nyström gap.
 
@@ -256,6 +314,11 @@ def optimize_locations(
         Show a tqdm progress bar.
     chunk_size : int, default=256
         Inputs whose Jacobians are materialised at once.
+    cache_jacobians : bool, optional
+        Compute the training inputs' Jacobians ``(N, C, P)`` once and reuse them
+        at every step (they do not depend on ``Z``; only ``J(Z)`` is recomputed).
+        ``None``: cache when they take at most 512 MiB. The likelihood Hessians
+        ``Λₙ`` are always computed once.
 
     Returns
     -------
@@ -283,9 +346,17 @@ def optimize_locations(
     if lr is None:
         lr = 0.05 * float(X.reshape(N, -1).std(dim=0).mean().clamp_min(1e-8))
     history = LocationHistory()
-    history.initial_objective = _full_gap(
-        backend, model, X, Z0, likelihood, kwargs, batch_size
+    cache = _TrainingCache(
+        backend,
+        model,
+        X,
+        likelihood,
+        kwargs["lik"],
+        cache_jacobians,
+        chunk_size,
+        device,
     )
+    history.initial_objective = _full_gap(backend, cache, Z0, kwargs, batch_size)
 
     Z = Z0.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([Z], lr=lr)
@@ -297,10 +368,11 @@ def optimize_locations(
     for _ in bar:
         if cursor + b > N:
             order, cursor = torch.randperm(N, generator=gen), 0
-        xb = X[order[cursor : cursor + b]].to(device)
+        xb, lam, J_x = cache.batch(order[cursor : cursor + b], device)
         cursor += b
-        lam = _hessians(model, xb, likelihood, sigma_noise, temperature)
-        loss = nystrom_gap(backend, xb, Z, lam, n_data=N, **kwargs["gap"])
+        loss = nystrom_gap(
+            backend, xb, Z, lam, n_data=N, x_jacobians=J_x, **kwargs["gap"]
+        )
         (grad,) = torch.autograd.grad(loss, Z)
         Z.grad = grad
         optimizer.step()
@@ -318,7 +390,5 @@ def optimize_locations(
             break
     bar.close()
     locations = Z.detach()
-    history.final_objective = _full_gap(
-        backend, model, X, locations, likelihood, kwargs, batch_size
-    )
+    history.final_objective = _full_gap(backend, cache, locations, kwargs, batch_size)
     return LocationResult(locations, history)

@@ -123,3 +123,30 @@ def test_early_stopping_triggers():
     )
     assert result.history.stopped_early
     assert len(result.history.objective) < 500
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_cached_training_jacobians_change_nothing(likelihood):
+    """J(x) cached once or recomputed every step: the same run, step for step."""
+    model = MLP.model()
+    x = MLP.inputs(40, seed=3)
+    runs = [
+        optimize_locations(
+            model,
+            likelihood,
+            x,
+            3,
+            init="random",
+            steps=8,
+            batch_size=16,
+            patience=0,
+            progress_bar=False,
+            cache_jacobians=cache,
+        )
+        for cache in (False, True)
+    ]
+    torch.testing.assert_close(runs[0].locations, runs[1].locations)
+    assert runs[0].history.objective == pytest.approx(runs[1].history.objective)
+    assert runs[0].history.final_objective == pytest.approx(
+        runs[1].history.final_objective
+    )
