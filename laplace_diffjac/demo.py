@@ -530,26 +530,43 @@ def plot(result: DemoResult, path: str) -> str:
         axes[1].set_title("log latent predictive variance")
         axes[1].legend(fontsize=7)
     else:
-        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        fig, axes = plt.subplots(2, 3, figsize=(14, 8))
         n = int(round(math.sqrt(grid.shape[0])))
         g0 = grid[:, 0].reshape(n, n)
         g1 = grid[:, 1].reshape(n, n)
-        panels = (
-            ("full GGN Laplace", curves["full"], None),
-            ("ContextPosterior, random", curves["ContextPosterior/random"], "random"),
-            (
-                "ContextPosterior, optimised",
-                curves["ContextPosterior/optimised"],
-                "optimised",
-            ),
-        )
-        for ax, (title, var, loc) in zip(axes, panels):
-            c = ax.contourf(g0, g1, var.log().mean(-1).reshape(n, n), levels=20)
+        full_log = curves["full"].log()
+        ax = axes[0, 0]
+        c = ax.contourf(g0, g1, full_log.mean(-1).reshape(n, n), levels=20)
+        fig.colorbar(c, ax=ax)
+        ax.scatter(x[:, 0], x[:, 1], c=y, s=3, cmap="coolwarm", alpha=0.5)
+        ax.set_title("full GGN Laplace: mean log latent var")
+        keys = [
+            (axes[0, 1], "FunctionalLaplace", "random"),
+            (axes[0, 2], "FunctionalLaplace", "optimised"),
+            (axes[1, 1], "ContextPosterior", "random"),
+            (axes[1, 2], "ContextPosterior", "optimised"),
+        ]
+        errors = {
+            (method, loc): (curves[f"{method}/{loc}"].log() - full_log).abs().mean(-1)
+            for _, method, loc in keys
+        }
+        top = max(float(e.max()) for e in errors.values()) or 1.0
+        levels = torch.linspace(0, top, 21).tolist()
+        for ax, method, loc in keys:
+            err = errors[(method, loc)]
+            c = ax.contourf(g0, g1, err.reshape(n, n), levels=levels, cmap="magma")
             fig.colorbar(c, ax=ax)
-            ax.scatter(x[:, 0], x[:, 1], c=y, s=3, cmap="coolwarm", alpha=0.5)
-            if loc is not None:
-                ax.scatter(locs[loc][:, 0], locs[loc][:, 1], marker="x", c="k", s=40)
-            ax.set_title(f"{title}: mean log var")
+            ax.scatter(x[:, 0], x[:, 1], c="0.7", s=2, alpha=0.5)
+            ax.scatter(locs[loc][:, 0], locs[loc][:, 1], marker="x", c="c", s=40)
+            ax.set_title(
+                f"{method}, {loc}: |Δ log var| (mean {err.mean():.3f})", fontsize=9
+            )
+        ax = axes[1, 0]
+        h = result.history.history if result.history is not None else None
+        if h is not None:
+            ax.semilogy(h.objective)
+        ax.set_xlabel("step")
+        ax.set_title("Nyström gap (minibatch estimate)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
