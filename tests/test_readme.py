@@ -47,6 +47,27 @@ def test_readme_example_runs_and_moves_only_x():
     torch.testing.assert_close(g.double(), g_ref, rtol=1e-3, atol=1e-5)
 
 
+def test_readme_locations_example_runs():
+    torch.manual_seed(0)
+    x = torch.linspace(-2, 2, 64).unsqueeze(1)
+    y = torch.sin(2 * x) + 0.1 * torch.randn_like(x)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=32
+    )
+    namespace = {
+        "model": model,
+        "train_loader": loader,
+        "x_test": torch.linspace(-3, 3, 7).unsqueeze(1),
+    }
+    exec(compile(_block("readme-locations"), "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["Z"].shape == (16, 1)
+    assert namespace["K"].shape == (7, 16, 1, 1)
+    assert namespace["var"].shape[0] == 7 and torch.all(namespace["var"] > 0)
+
+
 def test_readme_commands_are_the_ones_ci_runs():
     main = _block("main-command").strip()
     test = _block("test-command").strip()
