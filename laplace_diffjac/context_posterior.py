@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .backends import DiffBackPackGGN
 from .data_access import Data
