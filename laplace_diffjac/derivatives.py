@@ -137,6 +137,9 @@ def accumulate_param_jacobians(
 ) -> dict[int, torch.Tensor]:
     """Map batched output signals of each module call to parameter Jacobians.
 
+    ``nn.Linear`` uses a closed form (one batched matrix product straight into the
+    batch-first layout); every other module BackPACK's ``param_mjp``.
+
     Parameters
     ----------
     calls : iterable of LayerCall
@@ -151,8 +154,9 @@ def accumulate_param_jacobians(
     Returns
     -------
     dict
-        ``id(param) -> (V, batch, *param.shape)``, summed over calls of a shared
-        module. Parameters without any contribution are absent.
+        ``id(param) -> (batch, V, param.numel())`` (possibly a strided view),
+        summed over calls of a shared module. Parameters without any contribution
+        are absent.
 
     """
     wanted = {id(p) for p in params}
@@ -160,22 +164,61 @@ def accumulate_param_jacobians(
     for call, grad in zip(calls, output_grads):
         if grad is None:
             continue
-        module = call.module
-        derivatives = DERIVATIVES[type(module)]
-        saved = {k: vars(module)[k] for k in ("input0", "output") if k in vars(module)}
-        vars(module)["input0"] = call.inputs[0]
-        vars(module)["output"] = call.output
-        try:
-            for name, param in module.named_parameters(recurse=False):
-                if id(param) not in wanted:
-                    continue
-                jac = derivatives.param_mjp(
-                    name, module, None, (grad[0],), grad, sum_batch=False
-                )
-                key = id(param)
-                result[key] = jac if key not in result else result[key] + jac
-        finally:
-            for key in ("input0", "output"):
-                vars(module).pop(key, None)
-            vars(module).update(saved)
+        if type(call.module) is nn.Linear:
+            blocks = _linear_blocks(call, grad, wanted)
+        else:
+            blocks = _backpack_blocks(call, grad, wanted)
+        for key, jac in blocks:
+            result[key] = jac if key not in result else result[key] + jac
     return result
+
+
+def _linear_blocks(
+    call: LayerCall, grad: torch.Tensor, wanted: set[int]
+) -> list[tuple[int, torch.Tensor]]:
+    """Closed-form ``nn.Linear`` Jacobians ``(batch, V, numel)``.
+
+    With signals ``g`` ``(V, batch, *, out)`` and inputs ``a`` ``(batch, *, in)``
+    the weight block of sample ``b`` is ``Σ_t g[v, b, t] ⊗ a[b, t]``: one ``bmm`` of
+    ``(batch, V·out, T) @ (batch, T, in)``, already in the final layout, whose
+    backward is again two ``bmm`` (no Jacobian-sized temporaries).
+    """
+    module = call.module
+    n_rows, batch, n_out = grad.shape[0], grad.shape[1], grad.shape[-1]
+    g = grad.reshape(n_rows, batch, -1, n_out).transpose(0, 1)  # (B, V, T, out)
+    blocks = []
+    if id(module.weight) in wanted:
+        a = call.inputs[0].reshape(batch, -1, module.in_features)  # (B, T, in)
+        g_rows = g.transpose(2, 3).reshape(batch, n_rows * n_out, -1)
+        w = torch.bmm(g_rows, a).view(batch, n_rows, -1)
+        blocks.append((id(module.weight), w))
+    if module.bias is not None and id(module.bias) in wanted:
+        b = g[:, :, 0] if g.shape[2] == 1 else g.sum(2)
+        blocks.append((id(module.bias), b))
+    return blocks
+
+
+def _backpack_blocks(
+    call: LayerCall, grad: torch.Tensor, wanted: set[int]
+) -> list[tuple[int, torch.Tensor]]:
+    """BackPACK's ``param_mjp`` per parameter, as ``(batch, V, numel)`` views."""
+    module = call.module
+    derivatives = DERIVATIVES[type(module)]
+    saved = {k: vars(module)[k] for k in ("input0", "output") if k in vars(module)}
+    vars(module)["input0"] = call.inputs[0]
+    vars(module)["output"] = call.output
+    blocks = []
+    try:
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in wanted:
+                continue
+            jac = derivatives.param_mjp(
+                name, module, None, (grad[0],), grad, sum_batch=False
+            )
+            n_rows, batch = jac.shape[:2]
+            blocks.append((id(param), jac.reshape(n_rows, batch, -1).transpose(0, 1)))
+    finally:
+        for key in ("input0", "output"):
+            vars(module).pop(key, None)
+        vars(module).update(saved)
+    return blocks

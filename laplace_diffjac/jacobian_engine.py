@@ -201,13 +201,15 @@ def _assemble(
     batch: int,
     like: torch.Tensor,
 ) -> torch.Tensor:
-    """Concatenate per-parameter ``(V, batch, *shape)`` blocks to ``(batch, V, P)``."""
+    """Concatenate per-parameter ``(batch, V, numel)`` blocks into ``(batch, V, P)``."""
     pieces = []
     for p in params:
         block = jacs.get(id(p))
         if block is None:
-            block = like.new_zeros((n_rows, batch, p.numel()))
-        pieces.append(block.reshape(n_rows, batch, -1).transpose(0, 1))
+            block = like.new_zeros((batch, n_rows, p.numel()))
+        pieces.append(block)
     if not pieces:
         return like.new_zeros((batch, n_rows, 0))
+    if len(pieces) == 1:
+        return pieces[0].contiguous()
     return torch.cat(pieces, dim=2)
