@@ -9,9 +9,9 @@ Two routes compute it:
   per-sample Jacobians block by block, so at most ``chunk_size`` Jacobians of each
   input live at once while the Gram is built;
 * the structured route, :func:`laplace_diffjac.structured_ntk.structured_ntk`, never
-  forms ``J`` (Linear/Conv chains). It is used automatically when that module is
-  installed, the model supports it, the prior is scalar and the backend takes all
-  parameters (no last-layer or subnetwork restriction).
+  forms ``J`` (chains of Linear layers and elementwise activations). It is used
+  automatically when the model supports it, the prior is scalar and the backend
+  takes all parameters (no last-layer or subnetwork restriction).
 
 Both routes are differentiable with respect to ``x1``, ``x2`` and the parameters
 whenever gradients are enabled.
@@ -23,6 +23,8 @@ from collections.abc import Callable
 from typing import Any, Union
 
 import torch
+
+from .structured_ntk import structured_ntk, supports_structured_ntk
 
 PriorPrecision = Union[float, torch.Tensor]
 
@@ -131,16 +133,12 @@ def _jacobian_fn(backend: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _structured_route(backend: Any, prior_var: torch.Tensor) -> Callable | None:
-    """``structured_ntk`` when it applies, else ``None`` (lazy, optional import)."""
+    """``structured_ntk`` when it applies, else ``None``."""
     if prior_var.dim() != 0:
         return None
     if getattr(backend, "last_layer", False):
         return None
     if getattr(backend, "subnetwork_indices", None) is not None:
-        return None
-    try:
-        from .structured_ntk import structured_ntk, supports_structured_ntk
-    except ImportError:
         return None
     model = backend.model
     if not supports_structured_ntk(model, list(backend.params)):
@@ -216,8 +214,9 @@ def ntk(
     route = None if structured is False else _structured_route(backend, prior_var)
     if structured and route is None:
         raise ValueError(
-            "The structured NTK route does not apply here (module missing, model "
-            "unsupported, non-scalar prior, or a last-layer/subnetwork backend)."
+            "The structured NTK route does not apply here (the model is not a chain "
+            "of Linear layers and elementwise activations, the prior is not scalar, "
+            "or the backend is last-layer/subnetwork)."
         )
     if route is not None:
         return _blocks(x1, x2, chunk_size, route, dtype)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from laplace_diffjac.kernel import ntk, ntk_diag
 from tests.references import reference_jacobians
-
-HAS_STRUCTURED = importlib.util.find_spec("laplace_diffjac.structured_ntk") is not None
 
 
 def _reference_ntk(model, x1, x2, prior_var):
@@ -145,15 +141,23 @@ def test_ntk_rejects_bad_prior_and_chunk():
         ntk(backend, x, chunk_size=0)
 
 
-@pytest.mark.skipif(HAS_STRUCTURED, reason="structured_ntk is installed")
-def test_structured_required_but_missing():
+def test_structured_required_but_not_applicable():
     from laplace_diffjac import DiffFuncGGN
     from tests.conftest import CASES
 
-    case = CASES[0]
+    case = CASES[2]  # a CNN: no structured route
     backend = DiffFuncGGN(case.model(), "regression")
     with pytest.raises(ValueError, match="structured"):
         ntk(backend, case.inputs(2), structured=True)
+    mlp = CASES[0]
+    with pytest.raises(ValueError, match="structured"):  # per-parameter prior
+        n_params = sum(p.numel() for p in mlp.model().parameters())
+        ntk(
+            DiffFuncGGN(mlp.model(), "regression"),
+            mlp.inputs(2),
+            prior_precision=torch.ones(n_params),
+            structured=True,
+        )
 
 
 def test_ntk_leaves_model_untouched(case, backend_cls):
