@@ -166,6 +166,8 @@ def accumulate_param_jacobians(
             continue
         if type(call.module) is nn.Linear:
             blocks = _linear_blocks(call, grad, wanted)
+        elif _has_closed_form_conv2d(call.module):
+            blocks = _conv2d_blocks(call, grad, wanted)
         else:
             blocks = _backpack_blocks(call, grad, wanted)
         for key, jac in blocks:
@@ -195,6 +197,45 @@ def _linear_blocks(
     if module.bias is not None and id(module.bias) in wanted:
         b = g[:, :, 0] if g.shape[2] == 1 else g.sum(2)
         blocks.append((id(module.bias), b))
+    return blocks
+
+
+def _has_closed_form_conv2d(module: nn.Module) -> bool:
+    return (
+        type(module) is nn.Conv2d
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+    )
+
+
+def _conv2d_blocks(
+    call: LayerCall, grad: torch.Tensor, wanted: set[int]
+) -> list[tuple[int, torch.Tensor]]:
+    """Closed-form ``nn.Conv2d`` Jacobians ``(batch, V, numel)`` (groups 1, zero pad).
+
+    A convolution is a Linear layer applied at every output position to the
+    unfolded input patches ``(batch, C_in·kh·kw, L)``, so the weight block is the
+    same single ``bmm`` as for :func:`_linear_blocks`, with the ``L`` positions in
+    the role of the extra dimensions.
+    """
+    module = call.module
+    n_rows, batch = grad.shape[0], grad.shape[1]
+    g = grad.reshape(n_rows, batch, module.out_channels, -1).transpose(0, 1)
+    blocks = []
+    if id(module.weight) in wanted:
+        patches = torch.nn.functional.unfold(
+            call.inputs[0],
+            module.kernel_size,
+            dilation=module.dilation,
+            padding=module.padding,
+            stride=module.stride,
+        )  # (B, C_in·kh·kw, L)
+        g_rows = g.reshape(batch, n_rows * module.out_channels, -1)  # (B, V·out, L)
+        w = torch.bmm(g_rows, patches.transpose(1, 2)).view(batch, n_rows, -1)
+        blocks.append((id(module.weight), w))
+    if module.bias is not None and id(module.bias) in wanted:
+        blocks.append((id(module.bias), g.sum(3)))
     return blocks
 
 

@@ -54,9 +54,9 @@ def test_parameter_gradient_matches_torch_func(case, backend_cls):
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=lambda c: c.name)
 @pytest.mark.parametrize("backend_cls", [DiffBackPackGGN, DiffBackPackEF, DiffFuncGGN])
-def test_gradcheck_and_gradgradcheck(backend_cls):
-    case = CASES[1]  # smooth MLP, C = 3
+def test_gradcheck_and_gradgradcheck(backend_cls, case):
     model = case.model()
     backend = backend_cls(model, "regression")
 

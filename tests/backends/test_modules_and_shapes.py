@@ -49,6 +49,17 @@ MODULE_CASES = {
         ),
         (2, 7, 7),
     ),
+    "conv2d-closed-form-stride-dilation-padding": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 3, 3, stride=2, dilation=2, padding=1),
+            nn.Tanh(),
+            nn.Conv2d(3, 2, (2, 3), padding=(1, 0), bias=False),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(2 * 2 * 1, 3),
+        ),
+        (2, 9, 9),
+    ),
     "conv3d-avgpool": (
         lambda: nn.Sequential(
             nn.Conv3d(1, 2, 2),
