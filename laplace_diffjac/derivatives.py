@@ -1,11 +1,12 @@
-"""Per-sample parameter Jacobians of single modules, from BackPACK's derivatives.
+"""Per-sample parameter Jacobians of single modules, for all outputs at once.
 
-For every module type that BackPACK's ``BatchGrad`` supports, BackPACK ships a
-derivatives object whose ``param_mjp`` maps gradients with respect to a module's
-output, ``(V, batch, *output_shape)``, to per-sample gradients with respect to a
-parameter, ``(V, batch, *param_shape)``. This module applies it to the signals of
-*all* model outputs at once (``V = C``) and keeps BackPACK's bookkeeping attributes
-(``input0``, ``output``) on the module only for the duration of one call.
+Given the gradients of V scalar-per-sample functions with respect to a module's
+output, ``(V, batch, *output_shape)``, return per-sample gradients with respect to
+its parameters, ``(batch, V, numel)``. ``nn.Linear`` and ``nn.Conv2d`` (groups 1,
+zero padding) use a closed form, one batched matrix product straight into that
+layout. Every other module type that BackPACK's ``BatchGrad`` supports goes through
+BackPACK's derivatives object (``param_mjp``), with BackPACK's bookkeeping
+attributes (``input0``, ``output``) on the module only for the duration of one call.
 """
 
 from __future__ import annotations

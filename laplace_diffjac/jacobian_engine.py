@@ -6,8 +6,9 @@
    signals back to those module outputs at once. ``autograd.grad`` accumulates into
    no ``.grad`` and, as it is asked only for module outputs, fires no hook on the
    input or on leaves upstream of it.
-3. BackPACK's per-module derivatives (:mod:`.derivatives`) turn the signals at each
-   module into per-sample parameter Jacobians, ``(C, batch, *param_shape)``.
+3. Per-module rules (:mod:`.derivatives`: closed forms for Linear and Conv2d,
+   BackPACK's derivatives otherwise) turn the signals at each module into
+   per-sample parameter Jacobians, ``(batch, C, numel)``.
 
 With ``enable_backprop=True`` the signals are computed with ``create_graph=True``, so
 the Jacobians are differentiable with respect to the input and the parameters; with
