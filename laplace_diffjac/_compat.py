@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from laplace.curvature import CurvatureInterface
-
 
 def _release(text: str) -> tuple[int, ...]:
     parts = []
@@ -19,8 +17,3 @@ def _release(text: str) -> tuple[int, ...]:
 
 #: Installed laplace-torch release, e.g. ``(0, 3)`` or ``(0, 2, 3)``.
 LAPLACE_VERSION: tuple[int, ...] = _release(version("laplace-torch"))
-
-#: laplace-torch 0.3 added ``selected_output_jacobians`` (used by VaLLA).
-HAS_SELECTED_OUTPUT_JACOBIANS: bool = hasattr(
-    CurvatureInterface, "selected_output_jacobians"
-)
