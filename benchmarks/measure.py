@@ -6,7 +6,7 @@ import gc
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
@@ -35,6 +35,46 @@ def median_seconds(
         if len(times) >= min_reps and time.perf_counter() - start > budget_s:
             break
     return statistics.median(times), len(times)
+
+
+def interleaved_seconds(
+    tasks: dict[Hashable, Callable[[], object]],
+    *,
+    budget_s: float,
+    min_reps: int,
+    max_reps: int,
+) -> dict[Hashable, tuple[float, int]]:
+    """Median wall time of every task, run in turn round after round.
+
+    Each round runs every task still being timed once, starting from a different
+    task each round. A task is timed at least ``min_reps`` and at most
+    ``max_reps`` times, and no more once its own runs have taken ``budget_s``.
+
+    Returns
+    -------
+    dict
+        ``key -> (median seconds, runs timed)``.
+    """
+    keys = list(tasks)
+    times: dict[Hashable, list[float]] = {k: [] for k in keys}
+    spent = dict.fromkeys(keys, 0.0)
+
+    def active(k: Hashable) -> bool:
+        n = len(times[k])
+        return n < min_reps or (n < max_reps and spent[k] < budget_s)
+
+    rnd = 0
+    while any(active(k) for k in keys):
+        shift = rnd % len(keys)
+        for k in keys[shift:] + keys[:shift]:
+            if active(k):
+                t0 = time.perf_counter()
+                tasks[k]()
+                dt = time.perf_counter() - t0
+                times[k].append(dt)
+                spent[k] += dt
+        rnd += 1
+    return {k: (statistics.median(v), len(v)) for k, v in times.items()}
 
 
 def _status_kib(field: str) -> int | None:

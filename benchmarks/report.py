@@ -299,13 +299,16 @@ def write_report(
         "",
         *machine_description(),
         "",
-        "Each (configuration, method) ran in its own fresh process (quick mode: "
-        "one process per configuration). Medians of at least three runs (one in "
-        "quick mode). Speed-up = other time / this time "
-        "(> 1: faster). Objective of the full step: `logdet` = logdet(I + J Jᵀ) on "
-        "the (B·C)² Gram where (B·C)²·P ≤ 1e9; otherwise `trace` = tr(J Jᵀ) = "
-        "‖J‖²_F, so that the objective's own cost stays small next to the "
-        "Jacobians.",
+        "Peak memory and errors: each (configuration, method) ran in its own "
+        "fresh process (quick mode: one process per configuration). Times: all "
+        "methods of a configuration in one process, run in turn round after round "
+        "(each round starting from another method) so that slow spells of the "
+        "machine fall on all of them; medians of 3 to 30 runs (one in quick mode), "
+        "the objective alone timed in the same rounds. Speed-up = other time / "
+        "this time (> 1: faster). Objective of the full step: `logdet` = "
+        "logdet(I + J Jᵀ) on the (B·C)² Gram where (B·C)²·P ≤ 1e9; otherwise "
+        "`trace` = tr(J Jᵀ) = ‖J‖²_F, so that the objective's own cost stays "
+        "small next to the Jacobians.",
         "",
         *[f"- Note: {n}" for n in notes],
         "",

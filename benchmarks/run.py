@@ -1,7 +1,10 @@
 """Benchmark the Jacobian routes side by side: ``python benchmarks/run.py [--quick]``.
 
-Every (configuration, method) pair runs in its own fresh subprocess
-(:mod:`worker`), so the peak-memory figures do not see each other. The Markdown
+Peak memory and correctness: every (configuration, method) pair runs in its own
+fresh subprocess (:mod:`worker`), so the peak-memory figures do not see each
+other. Speed: one subprocess per configuration times all methods that ran, in
+turn, round after round, so that the machine's slow and fast spells fall on all
+of them alike and the ratios are taken within one process. The Markdown
 report (default ``benchmarks/RESULTS.md``) and the raw results (``--json``) are
 written by :mod:`report`. ``--quick`` runs smoke-size cases in well under a minute;
 its timings mean nothing, it checks the harness (``tests/test_benchmarks.py``).
@@ -77,7 +80,11 @@ def run_worker(spec: dict, timeout: float) -> list[dict]:
 
 
 def build_specs(quick: bool, methods: list[str]) -> tuple[list[dict], list[str]]:
-    """The measurements of one run, in order, and notes for the report."""
+    """The memory, correctness and Gram measurements of one run, and report notes.
+
+    The interleaved timing of each Jacobian configuration is made afterwards by
+    :func:`timing_spec`, over the methods that ran there.
+    """
     configs, grams = (QUICK, GRAM_QUICK) if quick else (FULL, GRAM_FULL)
     routes, notes = gram_routes()
     specs = []
@@ -98,6 +105,32 @@ def _specs(cfg: Config, task: str, methods: list[str], quick: bool) -> list[dict
     ]
 
 
+def timing_spec(results: list[dict], config: dict, quick: bool) -> dict | None:
+    """Interleaved timing of the methods that ran on ``config`` without failing."""
+    name = Config(**config).name
+    ran = [
+        r["method"]
+        for r in results
+        if r["task"] == "jacobian" and r["config"] == name and r.get("ok")
+    ]
+    if not ran:
+        return None
+    return {"config": config, "task": "timing", "methods": ran, "quick": quick}
+
+
+def merge_timings(results: list[dict], timings: list[dict]) -> None:
+    """Copy each timing into the (configuration, method) result it belongs to."""
+    index = {(r["config"], r["method"]): r for r in results if r["task"] == "jacobian"}
+    for t in timings:
+        res = index.get((t["config"], t["method"]))
+        if res is None:
+            continue
+        if t.get("ok"):
+            res.update({k: v for k, v in t.items() if k.startswith(("t_", "reps"))})
+        else:
+            res.update(ok=False, error=f"timing: {t.get('error')}")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke-size run")
@@ -115,17 +148,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     jobs = args.jobs or (2 if args.quick else 1)
     specs, notes = build_specs(args.quick, args.methods)
     start = time.perf_counter()
+    results: list[dict] = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = []
         for batch in pool.map(lambda s: run_worker(s, args.timeout), specs):
-            for res in batch:
-                status = "ok" if res.get("ok") else f"FAILED ({res.get('error')})"
-                print(
-                    f"{res['config']:>24} {res['task']:>8} {res['method']:>16} "
-                    f"{status}",
-                    flush=True,
-                )
-                results.append(res)
+            _log(batch)
+            results += batch
+        configs = [s["config"] for s in specs if s["task"] == "jacobian"]
+        unique = [c for i, c in enumerate(configs) if c not in configs[:i]]
+        timing = [t for c in unique if (t := timing_spec(results, c, args.quick))]
+        timeout = args.timeout * (1 if args.quick else 6)
+        timings: list[dict] = []
+        for batch in pool.map(lambda s: run_worker(s, timeout), timing):
+            _log(batch)
+            timings += batch
+    merge_timings(results, timings)
     elapsed = time.perf_counter() - start
     write_report(results, args.out, quick=args.quick, notes=notes, wall_s=elapsed)
     if args.json:
@@ -133,6 +169,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             json.dump(results, fh, indent=1)
     print(f"wrote {args.out} ({elapsed:.0f} s)")
     return results
+
+
+def _log(batch: list[dict]) -> None:
+    for res in batch:
+        status = "ok" if res.get("ok") else f"FAILED ({res.get('error')})"
+        print(
+            f"{res['config']:>24} {res['task']:>8} {res['method']:>16} {status}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

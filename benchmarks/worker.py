@@ -3,10 +3,13 @@
 Prints one line ``RESULT {json}`` per method of the spec. Tasks:
 
 ``jacobian``
-    One Jacobian route on one configuration: peak memory of the full step (first,
-    before anything else runs), median times of the Jacobians alone, of the full
-    step (Jacobians + gradient of the objective w.r.t. x) and of the objective
-    alone, and the relative error of J and of the x-gradient against float64.
+    One Jacobian route on one configuration: peak memory of the full step
+    (Jacobians + gradient of the objective w.r.t. x; first, before anything else
+    runs), and the relative error of J and of the x-gradient against float64.
+``timing``
+    All Jacobian routes of one configuration in one process, timed in turn round
+    after round: median times of the Jacobians alone, of the full step and of the
+    objective alone.
 ``gram``
     One NTK Gram route (``J``: DiffBackPackGGN Jacobians + einsum; ``structured``:
     :func:`laplace_diffjac.structured_ntk.structured_ntk`; ``kernel``:
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -28,6 +32,7 @@ import torch  # noqa: E402
 from cases import Config  # noqa: E402
 from measure import (  # noqa: E402
     current_rss_mib,
+    interleaved_seconds,
     median_seconds,
     peak_rss_mib,
     reset_peak_rss,
@@ -58,53 +63,87 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
-def _timing_args(quick: bool) -> dict:
+def _timing_args(quick: bool, budget_s: float = 1.0, max_reps: int = 10) -> dict:
     if quick:
         return {"budget_s": 0.0, "min_reps": 1, "max_reps": 1}
-    return {"budget_s": 1.0, "min_reps": 3, "max_reps": 10}
+    return {"budget_s": budget_s, "min_reps": 3, "max_reps": max_reps}
+
+
+def _full_step(jac, x: torch.Tensor, kind: str):
+    """Jacobians + gradient of the objective with respect to ``x``."""
+
+    def full() -> torch.Tensor:
+        return torch.autograd.grad(objective(jac(x), kind), x)[0]
+
+    return full
 
 
 def run_jacobian(cfg: Config, method: str, quick: bool) -> dict:
+    """Peak memory of one full step (first thing in a fresh process) and errors."""
     model = cfg.model()
     x = cfg.inputs().requires_grad_(True)
     jac = JACOBIAN_METHODS[method](model, cfg.n_out)
     n_params = sum(p.numel() for p in model.parameters())
     kind = objective_kind(cfg.batch, cfg.n_out, n_params)
-
-    def full() -> torch.Tensor:
-        return torch.autograd.grad(objective(jac(x), kind), x)[0]
+    full = _full_step(jac, x, kind)
 
     base = current_rss_mib()
     reset_peak_rss()
-    full()
+    t0 = time.perf_counter()
+    gx = full()
+    t_first = time.perf_counter() - t0
     peak = peak_rss_mib() - base
 
-    timing = _timing_args(quick)
-    t_jac, reps = median_seconds(lambda: jac(x), **timing)
-    t_full, _ = median_seconds(full, **timing)
     J = jac(x)
-    Jd = J.detach().requires_grad_(True)
-    t_obj, _ = median_seconds(
-        lambda: torch.autograd.grad(objective(Jd, kind), Jd), **timing
-    )
-
-    gx = full()
     x64 = x.detach().double().requires_grad_(True)
     ref = reference_jacobians(cfg.model(torch.float64), x64)
     ref_g = torch.autograd.grad(objective(ref, kind), x64)[0]
     return {
         "n_params": n_params,
         "objective": kind,
-        "t_jac": t_jac,
-        "t_full": t_full,
-        "t_obj": t_obj,
-        "t_jac_part": max(t_full - t_obj, 0.0),
-        "reps": reps,
+        "t_first": t_first,
         "peak_mib": peak,
         "base_mib": base,
         "rel_err_J": _rel(J.detach(), ref.detach()),
         "rel_err_grad_x": _rel(gx.detach(), ref_g.detach()),
     }
+
+
+def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
+    """Interleaved median times of every method on one configuration.
+
+    The methods run in turn, round after round, in one process, so that a slow
+    spell of the machine hits all of them alike; the objective alone (on a
+    detached J, the same for every method) is timed in the same rounds and
+    subtracted from each full step to give the Jacobian part.
+    """
+    model = cfg.model()
+    x = cfg.inputs().requires_grad_(True)
+    n_params = sum(p.numel() for p in model.parameters())
+    kind = objective_kind(cfg.batch, cfg.n_out, n_params)
+    jacs = {m: JACOBIAN_METHODS[m](model, cfg.n_out) for m in methods}
+    Jd = jacs[methods[-1]](x).detach().requires_grad_(True)
+    tasks: dict[tuple[str, str], object] = {
+        ("objective", "t_obj"): lambda: torch.autograd.grad(objective(Jd, kind), Jd)
+    }
+    for m, jac in jacs.items():
+        tasks[(m, "t_jac")] = lambda jac=jac: jac(x)
+        tasks[(m, "t_full")] = _full_step(jac, x, kind)
+    for fn in tasks.values():  # warm-up
+        fn()
+    times = interleaved_seconds(tasks, **_timing_args(quick, 2.0, 30))
+    t_obj = times[("objective", "t_obj")][0]
+    out: dict[str, dict] = {}
+    for m in methods:
+        t_full, reps = times[(m, "t_full")]
+        out[m] = {
+            "t_jac": times[(m, "t_jac")][0],
+            "t_full": t_full,
+            "t_obj": t_obj,
+            "t_jac_part": max(t_full - t_obj, 0.0),
+            "reps": reps,
+        }
+    return out
 
 
 def _gram_fn(route: str, model: torch.nn.Module):
@@ -163,11 +202,28 @@ def run_gram(cfg: Config, route: str, quick: bool) -> dict:
 def main(spec: dict) -> list[dict]:
     """Run the measurements of ``spec`` (one per entry of ``spec['methods']``).
 
-    Full runs give one method per process; ``--quick`` batches a configuration's
-    methods into one process (its memory figures are then not isolated).
+    Full runs give one method per process for ``jacobian`` and ``gram`` (isolated
+    peak memory) and one process per configuration for ``timing``; ``--quick``
+    batches a configuration's methods into one process.
     """
     warnings.filterwarnings("ignore")
+    if spec["task"] == "timing":
+        return _measure_timing(spec)
     return [_measure(spec, method) for method in spec["methods"]]
+
+
+def _measure_timing(spec: dict) -> list[dict]:
+    cfg = Config(**spec["config"])
+    base = {"config": cfg.name, "task": "timing"}
+    try:
+        times = run_timing(cfg, spec["methods"], spec.get("quick", False))
+    except Exception as exc:  # reported in the table, not raised
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"[:300]
+        return [
+            {**base, "method": m, "ok": False, "error": error} for m in spec["methods"]
+        ]
+    return [{**base, "method": m, "ok": True, **times[m]} for m in spec["methods"]]
 
 
 def _measure(spec: dict, method: str) -> dict:

@@ -1,11 +1,12 @@
 """Per-sample parameter Jacobians of single modules, for all outputs at once.
 
 Given the gradients of V scalar-per-sample functions with respect to a module's
-output, ``(V, batch, *output_shape)``, return per-sample gradients with respect to
-its parameters, ``(batch, V, numel)``. ``nn.Linear`` and ``nn.Conv2d`` (groups 1,
-zero padding) use a closed form, one batched matrix product straight into that
-layout. Every other module type that BackPACK's ``BatchGrad`` supports goes through
-BackPACK's derivatives object (``param_mjp``), with BackPACK's bookkeeping
+output, ``(V, batch, *output_shape)``, describe the per-sample gradients with
+respect to its parameters as factors for :func:`.jacobian_blocks.assemble`.
+``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding) use a closed form (signals
+times inputs), which is never materialised before it is written into the final
+Jacobian. Every other module type that BackPACK's ``BatchGrad`` supports goes
+through BackPACK's derivatives object (``param_mjp``), with BackPACK's bookkeeping
 attributes (``input0``, ``output``) on the module only for the duration of one call.
 """
 
@@ -27,6 +28,7 @@ from backpack.core.derivatives.linear import LinearDerivatives
 from torch import nn
 
 from .errors import UnsupportedModuleError
+from .jacobian_blocks import Dense, Factors, Product, Summed
 from .layer_calls import LayerCall
 
 
@@ -131,15 +133,16 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
     return owners
 
 
-def accumulate_param_jacobians(
+def param_jacobian_factors(
     calls: Iterable[LayerCall],
     output_grads: Sequence[torch.Tensor | None],
     params: Sequence[torch.Tensor],
-) -> dict[int, torch.Tensor]:
-    """Map batched output signals of each module call to parameter Jacobians.
+) -> dict[int, list[Factors]]:
+    """Map batched output signals of each module call to Jacobian factors.
 
-    ``nn.Linear`` uses a closed form (one batched matrix product straight into the
-    batch-first layout); every other module BackPACK's ``param_mjp``.
+    ``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding) give closed-form
+    factors that :func:`.jacobian_blocks.assemble` writes straight into the final
+    Jacobian; every other module gives a block from BackPACK's ``param_mjp``.
 
     Parameters
     ----------
@@ -155,50 +158,58 @@ def accumulate_param_jacobians(
     Returns
     -------
     dict
-        ``id(param) -> (batch, V, param.numel())`` (possibly a strided view),
-        summed over calls of a shared module. Parameters without any contribution
-        are absent.
+        ``id(param) -> [factors, ...]``, one entry per call that contributes
+        (several for a shared module). Parameters without any contribution are
+        absent.
 
     """
     wanted = {id(p) for p in params}
-    result: dict[int, torch.Tensor] = {}
+    result: dict[int, list[Factors]] = {}
     for call, grad in zip(calls, output_grads):
         if grad is None:
             continue
         if type(call.module) is nn.Linear:
-            blocks = _linear_blocks(call, grad, wanted)
+            blocks = _linear_factors(call, grad, wanted)
         elif _has_closed_form_conv2d(call.module):
-            blocks = _conv2d_blocks(call, grad, wanted)
+            blocks = _conv2d_factors(call, grad, wanted)
         else:
             blocks = _backpack_blocks(call, grad, wanted)
-        for key, jac in blocks:
-            result[key] = jac if key not in result else result[key] + jac
+        for key, factors in blocks:
+            result.setdefault(key, []).append(factors)
     return result
 
 
-def _linear_blocks(
+def _linear_factors(
     call: LayerCall, grad: torch.Tensor, wanted: set[int]
-) -> list[tuple[int, torch.Tensor]]:
-    """Closed-form ``nn.Linear`` Jacobians ``(batch, V, numel)``.
+) -> list[tuple[int, Factors]]:
+    """Closed-form ``nn.Linear`` factors.
 
-    With signals ``g`` ``(V, batch, *, out)`` and inputs ``a`` ``(batch, *, in)``
-    the weight block of sample ``b`` is ``Σ_t g[v, b, t] ⊗ a[b, t]``: one ``bmm`` of
-    ``(batch, V·out, T) @ (batch, T, in)``, already in the final layout, whose
-    backward is again two ``bmm`` (no Jacobian-sized temporaries).
+    With signals ``g`` ``(V, batch, *, out)`` and inputs ``a`` ``(batch, *, in)``,
+    the weight block of sample ``b`` is ``Σ_t g[v, b, t] ⊗ a[b, t]`` (an outer
+    product when there are no extra dimensions ``*``) and the bias block
+    ``Σ_t g[v, b, t]``.
     """
     module = call.module
     n_rows, batch, n_out = grad.shape[0], grad.shape[1], grad.shape[-1]
-    g = grad.reshape(n_rows, batch, -1, n_out).transpose(0, 1)  # (B, V, T, out)
-    blocks = []
+    g = grad.reshape(n_rows, batch, -1, n_out).transpose(2, 3)  # (V, B, out, T)
+    blocks: list[tuple[int, Factors]] = []
     if id(module.weight) in wanted:
         a = call.inputs[0].reshape(batch, -1, module.in_features)  # (B, T, in)
-        g_rows = g.transpose(2, 3).reshape(batch, n_rows * n_out, -1)
-        w = torch.bmm(g_rows, a).view(batch, n_rows, -1)
-        blocks.append((id(module.weight), w))
+        blocks.append((id(module.weight), Product(_batch_first(g), a)))
     if module.bias is not None and id(module.bias) in wanted:
-        b = g[:, :, 0] if g.shape[2] == 1 else g.sum(2)
-        blocks.append((id(module.bias), b))
+        blocks.append((id(module.bias), Summed(g)))
     return blocks
+
+
+def _batch_first(g: torch.Tensor) -> torch.Tensor:
+    """``(V, B, out, L)`` signals as ``(B, V, out, L)``: a view for ``L == 1``.
+
+    With more than one position the product is a ``bmm`` over the batch, whose
+    left factor must be contiguous; the copy is made here, in the autograd graph,
+    so that the Jacobian stays differentiable twice.
+    """
+    g = g.transpose(0, 1)
+    return g if g.shape[3] == 1 else g.contiguous()
 
 
 def _has_closed_form_conv2d(module: nn.Module) -> bool:
@@ -210,20 +221,19 @@ def _has_closed_form_conv2d(module: nn.Module) -> bool:
     )
 
 
-def _conv2d_blocks(
+def _conv2d_factors(
     call: LayerCall, grad: torch.Tensor, wanted: set[int]
-) -> list[tuple[int, torch.Tensor]]:
-    """Closed-form ``nn.Conv2d`` Jacobians ``(batch, V, numel)`` (groups 1, zero pad).
+) -> list[tuple[int, Factors]]:
+    """Closed-form ``nn.Conv2d`` factors (groups 1, zero padding).
 
     A convolution is a Linear layer applied at every output position to the
-    unfolded input patches ``(batch, C_in·kh·kw, L)``, so the weight block is the
-    same single ``bmm`` as for :func:`_linear_blocks`, with the ``L`` positions in
-    the role of the extra dimensions.
+    unfolded input patches ``(batch, C_in·kh·kw, L)``, so its factors are those of
+    :func:`_linear_factors` with the ``L`` positions as the extra dimensions.
     """
     module = call.module
     n_rows, batch = grad.shape[0], grad.shape[1]
-    g = grad.reshape(n_rows, batch, module.out_channels, -1).transpose(0, 1)
-    blocks = []
+    g = grad.reshape(n_rows, batch, module.out_channels, -1)  # (V, B, out, L)
+    blocks: list[tuple[int, Factors]] = []
     if id(module.weight) in wanted:
         patches = torch.nn.functional.unfold(
             call.inputs[0],
@@ -232,24 +242,24 @@ def _conv2d_blocks(
             padding=module.padding,
             stride=module.stride,
         )  # (B, C_in·kh·kw, L)
-        g_rows = g.reshape(batch, n_rows * module.out_channels, -1)  # (B, V·out, L)
-        w = torch.bmm(g_rows, patches.transpose(1, 2)).view(batch, n_rows, -1)
-        blocks.append((id(module.weight), w))
+        blocks.append(
+            (id(module.weight), Product(_batch_first(g), patches.transpose(1, 2)))
+        )
     if module.bias is not None and id(module.bias) in wanted:
-        blocks.append((id(module.bias), g.sum(3)))
+        blocks.append((id(module.bias), Summed(g)))
     return blocks
 
 
 def _backpack_blocks(
     call: LayerCall, grad: torch.Tensor, wanted: set[int]
-) -> list[tuple[int, torch.Tensor]]:
-    """BackPACK's ``param_mjp`` per parameter, as ``(batch, V, numel)`` views."""
+) -> list[tuple[int, Factors]]:
+    """BackPACK's ``param_mjp`` per parameter, as ``(V, batch, numel)`` blocks."""
     module = call.module
     derivatives = DERIVATIVES[type(module)]
     saved = {k: vars(module)[k] for k in ("input0", "output") if k in vars(module)}
     vars(module)["input0"] = call.inputs[0]
     vars(module)["output"] = call.output
-    blocks = []
+    blocks: list[tuple[int, Factors]] = []
     try:
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in wanted:
@@ -258,7 +268,7 @@ def _backpack_blocks(
                 name, module, None, (grad[0],), grad, sum_batch=False
             )
             n_rows, batch = jac.shape[:2]
-            blocks.append((id(param), jac.reshape(n_rows, batch, -1).transpose(0, 1)))
+            blocks.append((id(param), Dense(jac.reshape(n_rows, batch, -1))))
     finally:
         for key in ("input0", "output"):
             vars(module).pop(key, None)

@@ -7,8 +7,10 @@
    no ``.grad`` and, as it is asked only for module outputs, fires no hook on the
    input or on leaves upstream of it.
 3. Per-module rules (:mod:`.derivatives`: closed forms for Linear and Conv2d,
-   BackPACK's derivatives otherwise) turn the signals at each module into
-   per-sample parameter Jacobians, ``(batch, C, numel)``.
+   BackPACK's derivatives otherwise) turn the signals at each module into factors
+   of the per-sample parameter Jacobians, which :mod:`.jacobian_blocks` writes
+   straight into one ``(batch, C, P)`` tensor (no per-block copies, no
+   concatenation) with a backward pass of its own.
 
 With ``enable_backprop=True`` the signals are computed with ``create_graph=True``, so
 the Jacobians are differentiable with respect to the input and the parameters; with
@@ -25,8 +27,9 @@ import torch
 from torch import nn
 
 from ._warnings import quiet_full_backward_hook_warning
-from .derivatives import accumulate_param_jacobians, owning_modules
+from .derivatives import owning_modules, param_jacobian_factors
 from .inputs import check_model_output
+from .jacobian_blocks import assemble
 from .layer_calls import recorded_calls
 from .model_guard import preserved_state
 
@@ -81,8 +84,8 @@ def parameter_jacobians(
                 f2, [c.output for c in calls], signals, enable_backprop
             )
         with torch.set_grad_enabled(enable_backprop):
-            jacs = accumulate_param_jacobians(calls, grads, params)
-            Js = _assemble(jacs, params, signals.shape[0], batch, f)
+            factors = param_jacobian_factors(calls, grads, params)
+            Js = assemble(factors, params, signals.shape[0], batch, f)
     if not enable_backprop:
         return Js.detach(), f.detach()
     return Js, f
@@ -131,8 +134,8 @@ def per_sample_gradients(
             grads = torch.autograd.grad(loss, outputs, allow_unused=True)
         with torch.no_grad():
             signals = [None if g is None else g.unsqueeze(0) for g in grads]
-            jacs = accumulate_param_jacobians(calls, signals, params)
-            Gs = _assemble(jacs, params, 1, batch, f)[:, 0]
+            factors = param_jacobian_factors(calls, signals, params)
+            Gs = assemble(factors, params, 1, batch, f)[:, 0]
     return Gs.detach(), loss.detach()
 
 
@@ -193,24 +196,3 @@ def _batched_grad(
             None if column[0] is None else torch.stack(column)
             for column in zip(*per_seed)
         ]
-
-
-def _assemble(
-    jacs: dict[int, torch.Tensor],
-    params: Sequence[torch.Tensor],
-    n_rows: int,
-    batch: int,
-    like: torch.Tensor,
-) -> torch.Tensor:
-    """Concatenate per-parameter ``(batch, V, numel)`` blocks into ``(batch, V, P)``."""
-    pieces = []
-    for p in params:
-        block = jacs.get(id(p))
-        if block is None:
-            block = like.new_zeros((batch, n_rows, p.numel()))
-        pieces.append(block)
-    if not pieces:
-        return like.new_zeros((batch, n_rows, 0))
-    if len(pieces) == 1:
-        return pieces[0].contiguous()
-    return torch.cat(pieces, dim=2)

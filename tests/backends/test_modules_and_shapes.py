@@ -17,6 +17,8 @@ from tests.references import assert_same_state, model_state, reference_jacobians
 
 
 def _check_against_reference(model, x, backend_cls=DiffBackPackGGN):
+    """J equals the reference, and so do the gradients of a function of J with
+    respect to the input (when it is floating) and to the parameters."""
     model = model.double().eval()
     x = x.double() if x.is_floating_point() else x
     J, f = backend_cls(model, "classification").jacobians(x)
@@ -27,6 +29,24 @@ def _check_against_reference(model, x, backend_cls=DiffBackPackGGN):
         sum(p.numel() for p in model.parameters()),
     )
     torch.testing.assert_close(J, J_ref, rtol=1e-10, atol=1e-12)
+
+    leaves = list(model.parameters())
+    if x.is_floating_point():
+        x = x.detach().requires_grad_(True)
+        leaves.append(x)
+    weights = torch.randn_like(J_ref)
+    J, _ = backend_cls(model, "classification").jacobians(x, enable_backprop=True)
+    J_ref, _ = reference_jacobians(model, x)
+    grads = _grads((weights * J * J).sum(), leaves)
+    grads_ref = _grads((weights * J_ref * J_ref).sum(), leaves)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-11)
+
+
+def _grads(scalar, leaves):
+    """Gradients, zeros where a leaf does not influence ``scalar``."""
+    grads = torch.autograd.grad(scalar, leaves, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
 
 
 MODULE_CASES = {
@@ -112,6 +132,12 @@ MODULE_CASES = {
             nn.Linear(4, 2),
         ),
         (3,),
+    ),
+    "linear-on-sequences": (
+        lambda: nn.Sequential(
+            nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2), nn.Flatten(), nn.Linear(10, 2)
+        ),
+        (5, 3),
     ),
     "custom-parameter-free-ops": (
         lambda: _Residual(),
