@@ -42,6 +42,12 @@ def machine_description() -> list[str]:
         f"backpack-for-pytorch {version('backpack-for-pytorch')}, "
         f"Python {platform.python_version()}",
         f"- date: {datetime.datetime.now().isoformat(timespec='minutes')}",
+        "- PyTorch's CPU allocator: transparent huge pages "
+        + (
+            "on (`THP_MEM_ALLOC_ENABLE=1`)"
+            if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+            else "off (default; `THP_MEM_ALLOC_ENABLE` unset)"
+        ),
     ]
 
 
