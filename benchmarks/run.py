@@ -13,6 +13,7 @@ its timings mean nothing, it checks the harness (``tests/test_benchmarks.py``).
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
@@ -144,7 +145,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=None,
         help="workers at once (default 1; 2 with --quick, where timings are moot)",
     )
+    parser.add_argument(
+        "--report-from",
+        default=None,
+        help="render the report again from a --json file of an earlier run",
+    )
     args = parser.parse_args(argv)
+    if args.report_from:
+        return rerender(args.report_from, args.out)
     jobs = args.jobs or (2 if args.quick else 1)
     specs, notes = build_specs(args.quick, args.methods)
     start = time.perf_counter()
@@ -168,6 +176,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
     print(f"wrote {args.out} ({elapsed:.0f} s)")
+    return results
+
+
+def rerender(raw: str, out: str) -> list[dict]:
+    """Write the report of saved results (e.g. after a change to the report)."""
+    with open(raw) as fh:
+        results = json.load(fh)
+    quick = any(r.get("quick", False) for r in results)
+    when = datetime.datetime.fromtimestamp(os.path.getmtime(raw))
+    write_report(results, out, quick=quick, notes=[], wall_s=None, when=when)
+    print(f"wrote {out}")
     return results
 
 

@@ -59,6 +59,11 @@ def objective(J: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.logdet(eye + gram)
 
 
+def jacobian_part(t_full: float, t_obj: float) -> float | None:
+    """Full step minus the objective alone; ``None`` if noise made it non-positive."""
+    return t_full - t_obj if t_full > t_obj else None
+
+
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
@@ -140,7 +145,7 @@ def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
             "t_jac": times[(m, "t_jac")][0],
             "t_full": t_full,
             "t_obj": t_obj,
-            "t_jac_part": max(t_full - t_obj, 0.0),
+            "t_jac_part": jacobian_part(t_full, t_obj),
             "reps": reps,
         }
     return out
@@ -229,7 +234,13 @@ def _measure_timing(spec: dict) -> list[dict]:
 def _measure(spec: dict, method: str) -> dict:
     cfg = Config(**spec["config"])
     task, quick = spec["task"], spec.get("quick", False)
-    result = {"config": cfg.name, "task": task, "method": method, "ok": True}
+    result = {
+        "config": cfg.name,
+        "task": task,
+        "method": method,
+        "quick": quick,
+        "ok": True,
+    }
     try:
         if task == "jacobian":
             result.update(run_jacobian(cfg, method, quick))

@@ -176,9 +176,10 @@ class _Assemble(torch.autograd.Function):
         layout: tuple[_Entry, ...],
         shape: tuple[int, int, int],
         uncovered: tuple[tuple[int, int], ...],
+        like: tuple[torch.dtype, torch.device],
         *tensors: torch.Tensor,
     ) -> torch.Tensor:
-        J = tensors[0].new_empty(shape)
+        J = torch.empty(shape, dtype=like[0], device=like[1])
         for start, stop in uncovered:
             J[:, :, start:stop].zero_()
         for (kind, start, size, accumulate), args in _split(layout, tensors):
@@ -189,7 +190,7 @@ class _Assemble(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grads: list[torch.Tensor | None] = [None, None, None]
+        grads: list[torch.Tensor | None] = [None, None, None, None]
         tensors = ctx.saved_tensors
         for (kind, start, size, _), args in _split(ctx.layout, tensors):
             grads.extend(kind.backward(grad[:, :, start : start + size], *args))
@@ -250,4 +251,5 @@ def assemble(
     shape = (batch, n_rows, start)
     if not tensors or n_rows == 0 or batch == 0:
         return like.new_zeros(shape)
-    return _Assemble.apply(tuple(layout), shape, tuple(uncovered), *tensors)
+    like_args = (like.dtype, like.device)
+    return _Assemble.apply(tuple(layout), shape, tuple(uncovered), like_args, *tensors)

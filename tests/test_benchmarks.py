@@ -50,3 +50,18 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
     assert "| config | P | obj. | lt_BackPackGGN |" in text
     assert "| correct |" in text and "| NO |" not in text
     assert "laplace-torch" in text and "CPU:" in text
+
+    again = tmp_path / "AGAIN.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py")]
+        + ["--report-from", str(raw), "--out", str(again)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rendered = again.read_text()
+    assert "rendered again from its saved results" in rendered
+    # same tables, apart from the header lines (command and date)
+    assert rendered.split("### Targets")[1] == text.split("### Targets")[1]
