@@ -309,6 +309,7 @@ def write_report(
             res["t_jac_part"] = diff if diff > 0 else None
     jac_lines, speed = jacobian_tables(results)
     gram_lines, gram_speed = gram_table(results)
+    processes = max((r.get("timing_processes", 1) for r in results), default=1)
     mode = "quick (smoke sizes; timings meaningless)" if quick else "full"
     lines = [
         "# laplace_diffjac benchmarks",
@@ -326,10 +327,12 @@ def write_report(
         "fresh process (quick mode: one process per configuration). Times: all "
         "methods of a configuration in one process, run in turn round after round "
         "(each round starting from another method) so that slow spells of the "
-        "machine fall on all of them; medians of 3 to 30 runs (one in quick mode), "
-        "the objective alone timed in the same rounds. Speed-up = other time / "
-        "this time (> 1: faster). Objective of the full step: `logdet` = "
-        "logdet(I + J Jᵀ) on the (B·C)² Gram where (B·C)²·P ≤ 1e9; otherwise "
+        "machine fall on all of them; medians of 3 to 15 runs (one in quick mode), "
+        "the objective alone timed in the same rounds; each time is the median "
+        f"over {processes} such process(es) per configuration, spread over the "
+        "run. Speed-up = other time / this time (> 1: faster). Objective of the "
+        "full step: `logdet` = logdet(I + J Jᵀ) on the (B·C)² Gram where "
+        "(B·C)²·P ≤ 1e9; otherwise "
         "`trace` = tr(J Jᵀ) = ‖J‖²_F, so that the objective's own cost stays "
         "small next to the Jacobians. A Jacobian part shown as – failed, or "
         "measured no longer than the objective alone (noise).",

@@ -2,9 +2,11 @@
 
 Peak memory and correctness: every (configuration, method) pair runs in its own
 fresh subprocess (:mod:`worker`), so the peak-memory figures do not see each
-other. Speed: one subprocess per configuration times all methods that ran, in
+other. Speed: a subprocess per configuration times all methods that ran, in
 turn, round after round, so that the machine's slow and fast spells fall on all
-of them alike and the ratios are taken within one process. The Markdown
+of them alike; this is repeated in ``--repeats`` separate processes (default 3,
+spread over the run) and the medians are combined by their median, so that the
+luck of one process's memory layout does not decide a ratio. The Markdown
 report (default ``benchmarks/RESULTS.md``) and the raw results (``--json``) are
 written by :mod:`report`. ``--quick`` runs smoke-size cases in well under a minute;
 its timings mean nothing, it checks the harness (``tests/test_benchmarks.py``).
@@ -17,6 +19,7 @@ import datetime
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -120,16 +123,29 @@ def timing_spec(results: list[dict], config: dict, quick: bool) -> dict | None:
 
 
 def merge_timings(results: list[dict], timings: list[dict]) -> None:
-    """Copy each timing into the (configuration, method) result it belongs to."""
+    """Put the timings into the (configuration, method) results they belong to.
+
+    With several timing processes per configuration, each time is the median over
+    the processes of their medians; the per-process values are kept as well.
+    """
     index = {(r["config"], r["method"]): r for r in results if r["task"] == "jacobian"}
+    grouped: dict[tuple[str, str], list[dict]] = {}
     for t in timings:
-        res = index.get((t["config"], t["method"]))
+        grouped.setdefault((t["config"], t["method"]), []).append(t)
+    for key, runs in grouped.items():
+        res = index.get(key)
         if res is None:
             continue
-        if t.get("ok"):
-            res.update({k: v for k, v in t.items() if k.startswith(("t_", "reps"))})
-        else:
-            res.update(ok=False, error=f"timing: {t.get('error')}")
+        failed = [t for t in runs if not t.get("ok")]
+        if failed:
+            res.update(ok=False, error=f"timing: {failed[0].get('error')}")
+            continue
+        for name in ("t_jac", "t_full", "t_obj"):
+            values = [t[name] for t in runs]
+            res[name] = statistics.median(values)
+            res[f"{name}_per_process"] = values
+        res["reps"] = sum(t["reps"] for t in runs)
+        res["timing_processes"] = len(runs)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -144,6 +160,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         type=int,
         default=None,
         help="workers at once (default 1; 2 with --quick, where timings are moot)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timing processes per configuration (1 with --quick)",
     )
     parser.add_argument(
         "--report-from",
@@ -163,7 +185,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results += batch
         configs = [s["config"] for s in specs if s["task"] == "jacobian"]
         unique = [c for i, c in enumerate(configs) if c not in configs[:i]]
-        timing = [t for c in unique if (t := timing_spec(results, c, args.quick))]
+        repeats = 1 if args.quick else args.repeats
+        timing = [
+            t
+            for _ in range(repeats)
+            for c in unique
+            if (t := timing_spec(results, c, args.quick))
+        ]
         timeout = args.timeout * (1 if args.quick else 6)
         timings: list[dict] = []
         for batch in pool.map(lambda s: run_worker(s, timeout), timing):

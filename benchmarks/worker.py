@@ -136,7 +136,7 @@ def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
         tasks[(m, "t_full")] = _full_step(jac, x, kind)
     for fn in tasks.values():  # warm-up
         fn()
-    times = interleaved_seconds(tasks, **_timing_args(quick, 2.0, 30))
+    times = interleaved_seconds(tasks, **_timing_args(quick, 1.0, 15))
     t_obj = times[("objective", "t_obj")][0]
     out: dict[str, dict] = {}
     for m in methods:

@@ -15,18 +15,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> None:
-    out, raw = tmp_path / "RESULTS.md", tmp_path / "results.json"
+def _run_benchmarks(*args: str) -> None:
+    """``python benchmarks/run.py ARGS`` from the repository root; must succeed."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick"]
-        + ["--out", str(out), "--json", str(raw)],
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> None:
+    out, raw = tmp_path / "RESULTS.md", tmp_path / "results.json"
+    _run_benchmarks("--quick", "--out", str(out), "--json", str(raw))
     results = json.loads(raw.read_text())
     jac = [r for r in results if r["task"] == "jacobian"]
     methods = {r["method"] for r in jac}
@@ -52,16 +56,34 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
     assert "laplace-torch" in text and "CPU:" in text
 
     again = tmp_path / "AGAIN.md"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py")]
-        + ["--report-from", str(raw), "--out", str(again)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _run_benchmarks("--report-from", str(raw), "--out", str(again))
     rendered = again.read_text()
     assert "rendered again from its saved results" in rendered
     # same tables, apart from the header lines (command and date)
     assert rendered.split("### Targets")[1] == text.split("### Targets")[1]
+
+
+def test_timings_of_several_processes_combine_by_their_median() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from run import merge_timings
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    results = [
+        {"config": "c", "task": "jacobian", "method": m, "ok": True} for m in ("a", "b")
+    ]
+    runs = [(1.0, 4.0, 2.0), (3.0, 5.0, 2.5), (2.0, 9.0, 1.0)]
+    timings = [
+        {"config": "c", "task": "timing", "method": "a", "ok": True, "reps": 5}
+        | {"t_jac": j, "t_full": f, "t_obj": o}
+        for j, f, o in runs
+    ] + [
+        {"config": "c", "task": "timing", "method": "b", "ok": True, "reps": 5},
+        {"config": "c", "task": "timing", "method": "b", "ok": False, "error": "x"},
+    ]
+    merge_timings(results, timings)
+    a, b = results
+    assert (a["t_jac"], a["t_full"], a["t_obj"]) == (2.0, 5.0, 2.0)
+    assert a["t_full_per_process"] == [4.0, 5.0, 9.0]
+    assert a["reps"] == 15 and a["timing_processes"] == 3
+    assert not b["ok"] and "x" in b["error"]
