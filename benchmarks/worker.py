@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,7 +129,7 @@ def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
     kind = objective_kind(cfg.batch, cfg.n_out, n_params)
     jacs = {m: JACOBIAN_METHODS[m](model, cfg.n_out) for m in methods}
     Jd = jacs[methods[-1]](x).detach().requires_grad_(True)
-    tasks: dict[tuple[str, str], object] = {
+    tasks: dict[tuple[str, str], Callable[[], object]] = {
         ("objective", "t_obj"): lambda: torch.autograd.grad(objective(Jd, kind), Jd)
     }
     for m, jac in jacs.items():

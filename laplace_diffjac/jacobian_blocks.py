@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
 
 import torch
 
@@ -160,7 +160,7 @@ class Dense:
         return (grad.transpose(0, 1),)
 
 
-Factors = Product | Summed | Dense
+Factors = Union[Product, Summed, Dense]
 
 #: One entry of the layout: factor kind, first column, number of columns,
 #: whether the block adds to an earlier one (shared modules).
