@@ -47,3 +47,29 @@ def test_factory_still_returns_functional_laplace():
         )
         assert type(la) is laplace.FunctionalLaplace
     assert laplace_diffjac.__version__
+
+
+def test_using_the_package_sets_no_allocator_environment_variable():
+    """No environment change, e.g. ``THP_MEM_ALLOC_ENABLE`` (the user's choice)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "before = dict(os.environ)\n"
+        "import torch, laplace_diffjac\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),"
+        " torch.nn.Linear(4, 2))\n"
+        "x = torch.randn(5, 3, requires_grad=True)\n"
+        "J, _ = laplace_diffjac.DiffBackPackGGN(m, 'regression')"
+        ".jacobians(x, enable_backprop=True)\n"
+        "torch.autograd.grad(J.sum(), x)\n"
+        "print(sorted(set(os.environ.items()) ^ set(before.items())))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
