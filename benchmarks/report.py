@@ -225,8 +225,8 @@ def gram_table(results: list[dict]) -> tuple[list[str], dict]:
         "### NTK Gram `K (B, B, C, C)`: structured vs forming J",
         "",
         "J: DiffBackPackGGN Jacobians + `einsum('bcp,dep->bdce')`. structured: "
-        "`laplace_diffjac.structured_ntk` (per-layer input and output-gradient "
-        "Grams, no J). kernel: `laplace_diffjac.kernel.ntk`. Gram + ∇x: Gram and "
+        "`laplace_diffjac.kernels` (per-layer input and output-gradient "
+        "Grams, no J). kernel: `laplace_diffjac.kernels.ntk`. Gram + ∇x: Gram and "
         "the gradient of its trace w.r.t. x; peak memory of that step.",
         "",
         "| " + " | ".join(head) + " |",

@@ -43,15 +43,15 @@ def _has_module(name: str) -> bool:
 def gram_routes() -> tuple[list[str], list[str]]:
     """Available Gram routes, and notes on the missing ones."""
     routes, notes = ["J"], []
-    if _has_module("laplace_diffjac.structured_ntk"):
+    if _has_module("laplace_diffjac.kernels"):
         routes.append("structured")
     else:
-        notes.append("`laplace_diffjac.structured_ntk` absent: no structured column.")
-    if _has_module("laplace_diffjac.kernel"):
+        notes.append("`laplace_diffjac.kernels` absent: no structured column.")
+    if _has_module("laplace_diffjac.kernels"):
         routes.append("kernel")
     else:
         notes.append(
-            "`laplace_diffjac.kernel.ntk` absent at the time of the run: the "
+            "`laplace_diffjac.kernels.ntk` absent at the time of the run: the "
             "context optimiser's Gram column is skipped."
         )
     return routes, notes

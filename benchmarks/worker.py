@@ -12,8 +12,8 @@ Prints one line ``RESULT {json}`` per method of the spec. Tasks:
     objective alone.
 ``gram``
     One NTK Gram route (``J``: DiffBackPackGGN Jacobians + einsum; ``structured``:
-    :func:`laplace_diffjac.structured_ntk.structured_ntk`; ``kernel``:
-    ``laplace_diffjac.kernel.ntk``): peak memory and median time of the Gram and of
+    :func:`laplace_diffjac.kernels.structured_ntk`; ``kernel``:
+    ``laplace_diffjac.kernels.ntk``): peak memory and median time of the Gram and of
     Gram + gradient w.r.t. x of its trace, and the error against float64.
 """
 
@@ -154,14 +154,14 @@ def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
 
 def _gram_fn(route: str, model: torch.nn.Module):
     if route == "structured":
-        from laplace_diffjac.structured_ntk import structured_ntk
+        from laplace_diffjac.kernels import structured_ntk
 
         return lambda x: structured_ntk(model, x)
     from laplace_diffjac import DiffBackPackGGN
 
     backend = DiffBackPackGGN(model, "classification")
     if route == "kernel":
-        from laplace_diffjac.kernel import ntk
+        from laplace_diffjac.kernels import ntk
 
         return lambda x: ntk(backend, x)
 

@@ -1,22 +1,31 @@
 """Graph-connected, side-effect-free Jacobian backends for laplace-torch.
 
 Importing the package registers an adapter with laplace-torch so that every
-estimator accepts the backends (see :mod:`laplace_diffjac.adapter`).
+estimator accepts the backends (see :mod:`laplace_diffjac.laplace_integration`).
 
 >>> from laplace_diffjac import DiffBackPackGGN, DiffBackPackEF, DiffFuncGGN
+
+The subpackages are the layers, each importing only those above it in this list:
+
+* :mod:`laplace_diffjac.jacobians` — the Jacobian engine (no laplace-torch);
+* :mod:`laplace_diffjac.backends` — laplace-torch curvature backends on the engine;
+* :mod:`laplace_diffjac.laplace_integration` — registration and ``patch_laplace``;
+* :mod:`laplace_diffjac.kernels` — the NTK and likelihood Hessians;
+* :mod:`laplace_diffjac.context` — location optimiser and context posteriors;
+* :mod:`laplace_diffjac.examples` — data and training for demos and notebooks.
 """
 
-from .adapter import register, unregister
 from .backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
-from .context_posterior import ContextPosterior
-from .drop_in import patch_laplace
-from .errors import InvalidInputError, UnsupportedModuleError
-from .functional_locations import (
+from .context import (
+    ContextPosterior,
     LocationFunctionalLaplace,
     functional_laplace_on_locations,
+    nystrom_gap,
+    optimize_locations,
 )
-from .kernel import ntk, ntk_diag
-from .locations import nystrom_gap, optimize_locations
+from .errors import InvalidInputError, UnsupportedModuleError
+from .kernels import ntk, ntk_diag
+from .laplace_integration import patch_laplace, register, unregister
 
 __all__ = [
     "ContextPosterior",

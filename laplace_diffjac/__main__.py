@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     """
     args = _parser().parse_args(argv)
-    from .demo import format_table, plot, run_demo
+    from .examples._demo import format_table, plot, run_demo
 
     start = time.perf_counter()
     result = run_demo(

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
-from laplace_diffjac._compat import LAPLACE_VERSION
+from laplace_diffjac.laplace_integration._compat import LAPLACE_VERSION
 
 
 @dataclass(frozen=True)

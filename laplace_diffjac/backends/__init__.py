@@ -1,6 +1,6 @@
 """Curvature backends for laplace-torch: graph-connected, free of side effects."""
 
-from .backpack import DiffBackPackEF, DiffBackPackGGN
-from .functorch import DiffFuncGGN
+from ._backpack import DiffBackPackEF, DiffBackPackGGN
+from ._functorch import DiffFuncGGN
 
 __all__ = ["DiffBackPackEF", "DiffBackPackGGN", "DiffFuncGGN"]

@@ -1,0 +1,345 @@
+"""``DiffBackPackGGN`` and ``DiffBackPackEF``: laplace-torch's BackPACK backends.
+
+Both are reimplemented on :mod:`laplace_diffjac.jacobians` and
+:mod:`laplace_diffjac.jacobians`.
+
+Every method that runs a backward pass is replaced. The results equal laplace-torch's
+(see the tests), but: no ``.grad`` is written anywhere, nothing is left on the model
+(hooks, ``grad_batch``, ``input0``, ...), BackPACK's global hook registry is never
+touched, constructing a backend changes nothing on the model, one forward pass serves
+all outputs, and with ``enable_backprop=True`` results are differentiable with
+respect to the input and the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from backpack.extensions import (
+    KFAC,
+    KFLR,
+    DiagGGNExact,
+    DiagGGNMC,
+    SumGradSquared,
+)
+from laplace.curvature import BackPackEF, BackPackGGN, BackPackInterface
+from laplace.utils import Kron
+from torch import nn
+
+from ..jacobians._backpack_run import run_extension
+from ..jacobians._engine import parameter_jacobians, per_sample_gradients
+from ..jacobians._inputs import check_tensor_batch
+from ..jacobians._last_layer import last_layer_jacobians
+
+
+class _SideEffectFreeBackPack:
+    """Methods shared by both BackPACK backends.
+
+    Mixed in before laplace-torch's class, so these replace its methods; the
+    constructor skips ``BackPackInterface.__init__``, which would ``extend`` the model
+    and its loss (global hooks that break ``torch.func``).
+    """
+
+    model: nn.Module
+    params: list[torch.Tensor]
+    lossfunc: Any
+    likelihood: Any
+    factor: float
+    subnetwork_indices: torch.LongTensor | None
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Any,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super(BackPackInterface, self).__init__(  # type: ignore[misc]
+            model,
+            likelihood,
+            last_layer=last_layer,
+            subnetwork_indices=subnetwork_indices,
+            **kwargs,
+        )
+
+    @property
+    def _name(self) -> str:
+        return type(self).__name__
+
+    def _select(self, J: torch.Tensor) -> torch.Tensor:
+        if self.subnetwork_indices is None:
+            return J
+        return J[..., self.subnetwork_indices]
+
+    def jacobians(
+        self, x: torch.Tensor, enable_backprop: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample Jacobians of all outputs with respect to the parameters.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input batch ``(batch, *input_shape)`` on the model's device and dtype.
+        enable_backprop : bool, default=False
+            Keep ``Js`` and ``f`` connected to the graph of ``x`` and the
+            parameters, so that functions of them can be differentiated.
+
+        Returns
+        -------
+        Js : torch.Tensor
+            ``(batch, outputs, parameters)``.
+        f : torch.Tensor
+            Model output ``(batch, outputs)``.
+
+        """
+        x = check_tensor_batch(x, self.model, self._name)
+        Js, f = parameter_jacobians(
+            self.model,
+            x,
+            self.params,
+            root=self._model,  # type: ignore[attr-defined]
+            enable_backprop=enable_backprop,
+        )
+        return self._select(Js), f
+
+    def last_layer_jacobians(
+        self, x: torch.Tensor, enable_backprop: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Jacobians with respect to the last layer's parameters.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input batch ``(batch, *input_shape)``.
+        enable_backprop : bool, default=False
+            Keep the results connected to the graph of ``x``.
+
+        Returns
+        -------
+        Js : torch.Tensor
+            ``(batch, outputs, last-layer parameters)``.
+        f : torch.Tensor
+            ``(batch, outputs)``.
+
+        """
+        x = check_tensor_batch(x, self.model, self._name)
+        return last_layer_jacobians(self.model, x, enable_backprop)
+
+    def selected_output_jacobians(
+        self,
+        x: torch.Tensor,
+        outputs: torch.Tensor,
+        enable_backprop: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Jacobians of chosen outputs per sample, in one forward and one backward.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input batch ``(batch, *input_shape)``.
+        outputs : torch.Tensor
+            Output indices ``(batch,)`` or ``(batch, selected)``.
+        enable_backprop : bool, default=False
+            Keep the results connected to the graph of ``x``.
+
+        Returns
+        -------
+        Js : torch.Tensor
+            ``(batch, selected, parameters)``.
+        f : torch.Tensor
+            ``(batch, outputs)``.
+
+        """
+        x = check_tensor_batch(x, self.model, self._name)
+        Js, f = parameter_jacobians(
+            self.model,
+            x,
+            self.params,
+            root=self._model,  # type: ignore[attr-defined]
+            enable_backprop=enable_backprop,
+            selected_outputs=outputs,
+        )
+        return self._select(Js), f
+
+    def gradients(
+        self, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample gradients of the sum-reduced loss.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input batch ``(batch, *input_shape)``.
+        y : torch.Tensor
+            Targets ``(batch, ...)``.
+
+        Returns
+        -------
+        Gs : torch.Tensor
+            ``(batch, parameters)``.
+        loss : torch.Tensor
+            Scalar loss (not multiplied by ``factor``, as in laplace-torch).
+
+        """
+        x = check_tensor_batch(x, self.model, self._name)
+        Gs, loss = per_sample_gradients(
+            self.model,
+            x,
+            lambda f: self.lossfunc(f, y),
+            self.params,
+            root=self._model,  # type: ignore[attr-defined]
+        )
+        return self._select(Gs), loss
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor, extension: Any) -> tuple:
+        x = check_tensor_batch(x, self.model, self._name)
+        return run_extension(
+            self.model,
+            self._model,  # type: ignore[attr-defined]
+            self.lossfunc,
+            x,
+            y,
+            extension,
+            self.params,
+            flatten_classification=self.likelihood != "regression",
+        )
+
+    def _diag_with(
+        self, x: torch.Tensor, y: torch.Tensor, extension: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, values = self._run(x, y, extension)
+        diag = torch.cat([v.detach().flatten() for v in values])
+        if self.subnetwork_indices is not None:
+            diag = diag[self.subnetwork_indices]
+        return self.factor * loss, self.factor * diag
+
+
+class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
+    """laplace-torch's ``BackPackGGN`` with graph-connected, side-effect-free methods.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The network (or laplace-torch ``FeatureExtractor`` for last-layer Laplace).
+    likelihood : {'classification', 'regression'}
+    last_layer : bool, default=False
+        Curvature of the last layer only.
+    subnetwork_indices : torch.LongTensor, optional
+        Indices of the flattened parameter vector that form the subnetwork.
+    stochastic : bool, default=False
+        Monte-Carlo Fisher (``DiagGGNMC``/``KFAC``) instead of the exact GGN.
+    **kwargs
+        Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``).
+
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Any,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        stochastic: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, likelihood, last_layer, subnetwork_indices, **kwargs)
+        self.stochastic = stochastic
+
+    def diag(
+        self, x: torch.Tensor, y: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Diagonal of the GGN (or MC Fisher) on one batch.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input batch ``(batch, *input_shape)``.
+        y : torch.Tensor
+            Targets.
+        **kwargs
+            Ignored (laplace-torch's signature).
+
+        Returns
+        -------
+        loss : torch.Tensor
+            ``factor * loss``.
+        H : torch.Tensor
+            ``(parameters,)``.
+
+        """
+        extension = DiagGGNMC() if self.stochastic else DiagGGNExact()
+        return self._diag_with(x, y, extension)
+
+    def kron(
+        self, x: torch.Tensor, y: torch.Tensor, N: int, **kwargs: Any
+    ) -> tuple[torch.Tensor, Kron]:
+        """Kronecker-factored GGN (KFLR) or MC Fisher (KFAC) on one batch.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input batch ``(batch, *input_shape)``.
+        y : torch.Tensor
+            Targets.
+        N : int
+            Size of the whole data set, to rescale the factors.
+        **kwargs
+            Ignored (laplace-torch's signature).
+
+        Returns
+        -------
+        loss : torch.Tensor
+            ``factor * loss``.
+        H : laplace.utils.Kron
+            Kronecker factors per parameter.
+
+        """
+        extension = KFAC() if self.stochastic else KFLR()
+        loss, values = self._run(x, y, extension)
+        kron = Kron([[f.detach() for f in factors] for factors in values])
+        kron = self._rescale_kron_factors(kron, len(y), N)
+        return self.factor * loss, self.factor * kron
+
+
+class DiffBackPackEF(_SideEffectFreeBackPack, BackPackEF):
+    """laplace-torch's ``BackPackEF`` with graph-connected, side-effect-free methods.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The network (or laplace-torch ``FeatureExtractor`` for last-layer Laplace).
+    likelihood : {'classification', 'regression'}
+    last_layer : bool, default=False
+        Curvature of the last layer only.
+    subnetwork_indices : torch.LongTensor, optional
+        Indices of the flattened parameter vector that form the subnetwork.
+    **kwargs
+        Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``).
+
+    """
+
+    def diag(
+        self, x: torch.Tensor, y: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Diagonal of the empirical Fisher on one batch (BackPACK ``SumGradSquared``).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input batch ``(batch, *input_shape)``.
+        y : torch.Tensor
+            Targets.
+        **kwargs
+            Ignored (laplace-torch's signature).
+
+        Returns
+        -------
+        loss : torch.Tensor
+            ``factor * loss``.
+        H : torch.Tensor
+            ``(parameters,)``.
+
+        """
+        return self._diag_with(x, y, SumGradSquared())

@@ -1,0 +1,207 @@
+"""``DiffFuncGGN``: the same contract as the BackPACK backends, on ``torch.func``.
+
+Jacobians are per-sample ``vmap(jacrev(functional_call))``, so the cost grows
+linearly with the batch (whole-batch ``jacrev`` grows quadratically). Works for any
+model ``torch.func`` can trace (LayerNorm, attention, custom functions) and for
+dict-like inputs. ``torch.func`` never touches ``.grad``, registers no hooks and
+stores nothing on the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from laplace.curvature import GGNInterface
+from laplace.utils import Kron
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from ..errors import UnsupportedModuleError
+from ..jacobians._inputs import check_mapping_or_tensor_batch, check_model_output
+from ..jacobians._last_layer import last_layer_jacobians
+
+
+class DiffFuncGGN(GGNInterface):
+    """GGN backend on ``torch.func`` with graph-connected, side-effect-free methods.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The network (or laplace-torch ``FeatureExtractor`` for last-layer Laplace).
+    likelihood : {'classification', 'regression'}
+    last_layer : bool, default=False
+        Curvature of the last layer only.
+    subnetwork_indices : torch.LongTensor, optional
+        Indices of the flattened parameter vector that form the subnetwork.
+    **kwargs
+        Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``, ``stochastic``,
+        ``num_samples``).
+
+    """
+
+    def _named_params(self) -> dict[str, torch.Tensor]:
+        """Trainable parameters of ``self._model``, named as in ``self.model``."""
+        wanted = {id(p) for p in self.params}
+        return {name: p for name, p in self.model.named_parameters() if id(p) in wanted}
+
+    def _per_sample_outputs(self, x: Any, params: dict[str, torch.Tensor]) -> Any:
+        model = self.model
+
+        def single(p: dict[str, torch.Tensor], xi: Any) -> torch.Tensor:
+            batch = _unsqueeze(xi)
+            out = functional_call(model, p, (batch,), strict=False)
+            return out.squeeze(0)
+
+        return single
+
+    def jacobians(
+        self, x: Any, enable_backprop: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample Jacobians of all outputs with respect to the parameters.
+
+        Parameters
+        ----------
+        x : torch.Tensor or mapping
+            Input batch ``(batch, *input_shape)``, or a mapping of such tensors.
+        enable_backprop : bool, default=False
+            Keep ``Js`` and ``f`` connected to the graph of ``x`` and the parameters.
+
+        Returns
+        -------
+        Js : torch.Tensor
+            ``(batch, outputs, parameters)``.
+        f : torch.Tensor
+            ``(batch, outputs)``.
+
+        """
+        return self._jacobians(x, None, enable_backprop)
+
+    def selected_output_jacobians(
+        self, x: Any, outputs: torch.Tensor, enable_backprop: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Jacobians of chosen outputs per sample.
+
+        Parameters
+        ----------
+        x : torch.Tensor or mapping
+            Input batch.
+        outputs : torch.Tensor
+            Output indices ``(batch,)`` or ``(batch, selected)``.
+        enable_backprop : bool, default=False
+            Keep the results connected to the graph of ``x``.
+
+        Returns
+        -------
+        Js : torch.Tensor
+            ``(batch, selected, parameters)``.
+        f : torch.Tensor
+            ``(batch, outputs)``.
+
+        """
+        outputs = outputs if outputs.dim() == 2 else outputs[:, None]
+        return self._jacobians(x, outputs.long(), enable_backprop)
+
+    def _jacobians(
+        self, x: Any, selected: torch.Tensor | None, enable_backprop: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = check_mapping_or_tensor_batch(x, self.model, type(self).__name__)
+        if isinstance(x, Mapping):
+            x = {k: v for k, v in x.items() if isinstance(v, torch.Tensor)}
+        if selected is not None and selected.shape[0] != batch:
+            raise ValueError("Output selectors must match the input batch size.")
+        _check_no_backward_hooks(self.model)
+        params = self._named_params()
+        single = self._per_sample_outputs(x, params)
+
+        def with_aux(p: dict[str, torch.Tensor], xi: Any, sel: Any) -> tuple:
+            out = single(p, xi)
+            out = out if out.dim() == 1 else out.reshape(-1)
+            picked = out if sel is None else out[sel]
+            return picked, out
+
+        def jac_and_value(p: dict[str, torch.Tensor], xi: Any, sel: Any) -> tuple:
+            return jacrev(lambda q: with_aux(q, xi, sel), has_aux=True)(p)
+
+        in_dims = (None, 0, None if selected is None else 0)
+        if not enable_backprop:
+            x = _detach(x)
+        with torch.set_grad_enabled(enable_backprop):
+            jac, f = vmap(jac_and_value, in_dims=in_dims)(params, x, selected)
+            Js = torch.cat([j.flatten(start_dim=2) for j in jac.values()], dim=2)
+        f = check_model_output(f, batch)
+        if self.subnetwork_indices is not None:
+            Js = Js[..., self.subnetwork_indices]
+        if not enable_backprop:
+            return Js.detach(), f.detach()
+        return Js, f
+
+    def last_layer_jacobians(
+        self, x: Any, enable_backprop: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Jacobians with respect to the last layer's parameters.
+
+        Parameters
+        ----------
+        x : torch.Tensor or mapping
+            Input batch.
+        enable_backprop : bool, default=False
+            Keep the results connected to the graph of ``x``.
+
+        Returns
+        -------
+        Js : torch.Tensor
+            ``(batch, outputs, last-layer parameters)``.
+        f : torch.Tensor
+            ``(batch, outputs)``.
+
+        """
+        check_mapping_or_tensor_batch(x, self.model, type(self).__name__)
+        return last_layer_jacobians(self.model, x, enable_backprop)
+
+    def kron(
+        self, x: Any, y: torch.Tensor, N: int, **kwargs: Any
+    ) -> tuple[torch.Tensor, Kron]:
+        """Not available: ``torch.func`` has no Kronecker-factored curvature.
+
+        Raises
+        ------
+        NotImplementedError
+            Always, naming the backends that offer it.
+
+        """
+        raise NotImplementedError(
+            "DiffFuncGGN has no Kronecker-factored curvature: torch.func offers no "
+            "KFAC route. Use hessian_structure='diag' or 'full' with DiffFuncGGN, "
+            "or DiffBackPackGGN for 'kron' (BackPACK-supported models)."
+        )
+
+
+def _check_no_backward_hooks(model: nn.Module) -> None:
+    hooked = [
+        name or "<root>"
+        for name, m in model.named_modules()
+        if m._backward_hooks or m._backward_pre_hooks
+    ]
+    if hooked:
+        raise UnsupportedModuleError(
+            f"Modules {hooked} carry backward hooks (for instance from "
+            "backpack.extend), which torch.func cannot trace (pytorch/functorch#1124). "
+            "Use laplace_diffjac.DiffBackPackGGN for this model, or remove the hooks."
+        )
+
+
+def _unsqueeze(xi: Any) -> Any:
+    if isinstance(xi, Mapping):
+        return {k: v.unsqueeze(0) for k, v in xi.items()}
+    return xi.unsqueeze(0)
+
+
+def _detach(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: v.detach() for k, v in x.items()}
+    return x.detach()
+
+
+__all__ = ["DiffFuncGGN"]

@@ -1,0 +1,25 @@
+"""The Jacobian engine: per-sample parameter Jacobians without side effects.
+
+Everything here works on a plain ``torch.nn.Module`` and never imports
+laplace-torch. One forward pass records the input and output of each module that
+owns a parameter (``_layer_calls``); one batched ``torch.autograd.grad`` sends all
+output signals back to those outputs (``_engine``); per-module rules
+(``_derivatives``) turn them into factors that are written into one ``(B, C, P)``
+tensor by a custom autograd function (``_assembly``). ``_backpack_run`` runs
+BackPACK's second-order extensions with hooks local to the call, ``_model_guard``
+undoes every attribute, hook and ``.grad`` a call leaves behind, ``_last_layer``
+gives closed-form last-layer Jacobians and ``_inputs`` checks what comes in.
+"""
+
+from ._backpack_run import run_extension
+from ._engine import parameter_jacobians, per_sample_gradients
+from ._last_layer import last_layer_jacobians
+from ._model_guard import preserved_state
+
+__all__ = [
+    "last_layer_jacobians",
+    "parameter_jacobians",
+    "per_sample_gradients",
+    "preserved_state",
+    "run_extension",
+]

@@ -1,0 +1,119 @@
+"""Run a BackPACK extension (DiagGGN, KFAC, ...) on one batch without side effects.
+
+BackPACK's ``extend`` registers hooks whose handles live in the process-global
+``CTX``; laplace-torch then clears them with ``CTX.remove_hooks()``, which strips the
+hooks of every other extended model. Here the same two BackPACK hooks are registered
+with handles local to one call, only on modules that do not already carry them (a
+model the user extended keeps its own), and the backward pass is a
+``torch.autograd.grad`` that writes no ``.grad``. Results are read off the parameters
+and the model is restored by :func:`.model_guard.preserved_state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from backpack import backpack, hook_run_extensions, hook_store_io
+from backpack.extensions.backprop_extension import BackpropExtension
+from backpack.utils.module_classification import is_no_op
+from torch import nn
+
+from ..errors import UnsupportedModuleError
+from ._model_guard import preserved_state
+from ._warnings import quiet_full_backward_hook_warning
+
+
+def run_extension(
+    model: nn.Module,
+    root: nn.Module,
+    lossfunc: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    extension: BackpropExtension,
+    params: Sequence[torch.Tensor],
+    *,
+    flatten_classification: bool,
+) -> tuple[torch.Tensor, list[object]]:
+    """Run ``extension`` on ``lossfunc(model(x), y)``; return per-parameter results.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Full model, called as ``model(x)``.
+    root : torch.nn.Module
+        Submodule whose parameters the extension is computed for.
+    lossfunc : torch.nn.Module
+        Sum-reduced loss module (``MSELoss`` or ``CrossEntropyLoss``).
+    x, y : torch.Tensor
+        Batch and targets.
+    extension : BackpropExtension
+        A BackPACK extension instance.
+    params : sequence of torch.Tensor
+        Parameters whose results are returned, in order.
+    flatten_classification : bool
+        Reshape outputs to ``(-1, C)`` and targets to ``(-1,)`` as laplace-torch does
+        for classification.
+
+    Returns
+    -------
+    loss : torch.Tensor
+        The detached loss.
+    results : list
+        ``getattr(param, extension.savefield)`` for each parameter.
+
+    """
+    savefield = extension.savefield
+    with preserved_state(model, lossfunc), torch.enable_grad():
+        with (
+            _private_backpack_hooks([root, lossfunc]),
+            quiet_full_backward_hook_warning(),
+        ):
+            x_in = x.detach()
+            if x_in.is_floating_point():
+                x_in.requires_grad_(True)
+            f = model(x_in)
+            if flatten_classification:
+                f, y = f.view(-1, f.size(-1)), y.view(-1)
+            loss = lossfunc(f, y)
+            inputs = [t for t in (x_in, *params) if t.requires_grad]
+            try:
+                with backpack(extension):
+                    torch.autograd.grad(loss, inputs, allow_unused=True)
+            except NotImplementedError as err:
+                raise UnsupportedModuleError(
+                    f"BackPACK's {type(extension).__name__} does not support a module "
+                    f"of this model ({err}). Jacobian-based methods still work; for "
+                    "diag/full curvature use laplace_diffjac.DiffFuncGGN."
+                ) from err
+        missing = [i for i, p in enumerate(params) if not hasattr(p, savefield)]
+        if missing:
+            raise UnsupportedModuleError(
+                f"BackPACK's {type(extension).__name__} produced no result for "
+                f"{len(missing)} parameter(s); a module owning them is not supported."
+            )
+        results = [getattr(p, savefield) for p in params]
+    return loss.detach(), results
+
+
+@contextmanager
+def _private_backpack_hooks(roots: Sequence[nn.Module]) -> Iterator[None]:
+    """Install BackPACK's IO and extension hooks with handles local to this call."""
+    handles = []
+    try:
+        for root in roots:
+            for module in root.modules():
+                if is_no_op(module) or _has_backpack_hooks(module):
+                    continue
+                handles.append(module.register_forward_hook(hook_store_io))
+                handles.append(module.register_full_backward_hook(hook_run_extensions))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _has_backpack_hooks(module: nn.Module) -> bool:
+    """Whether the user already extended ``module`` (identity check of the hooks)."""
+    return any(h is hook_store_io for h in module._forward_hooks.values())

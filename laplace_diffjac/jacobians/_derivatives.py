@@ -1,0 +1,276 @@
+"""Per-sample parameter Jacobians of single modules, for all outputs at once.
+
+Given the gradients of V scalar-per-sample functions with respect to a module's
+output, ``(V, batch, *output_shape)``, describe the per-sample gradients with
+respect to its parameters as factors for :func:`.jacobian_blocks.assemble`.
+``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding) use a closed form (signals
+times inputs), which is never materialised before it is written into the final
+Jacobian. Every other module type that BackPACK's ``BatchGrad`` supports goes
+through BackPACK's derivatives object (``param_mjp``), with BackPACK's bookkeeping
+attributes (``input0``, ``output``) on the module only for the duration of one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from backpack.core.derivatives.basederivatives import BaseParameterDerivatives
+from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
+from backpack.core.derivatives.conv1d import Conv1DDerivatives
+from backpack.core.derivatives.conv2d import Conv2DDerivatives
+from backpack.core.derivatives.conv3d import Conv3DDerivatives
+from backpack.core.derivatives.conv_transpose1d import ConvTranspose1DDerivatives
+from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivatives
+from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
+from backpack.core.derivatives.embedding import EmbeddingDerivatives
+from backpack.core.derivatives.linear import LinearDerivatives
+from torch import nn
+
+from ..errors import UnsupportedModuleError
+from ._assembly import Dense, Factors, Product, Summed
+from ._layer_calls import LayerCall
+
+
+class _EmbeddingDerivatives(EmbeddingDerivatives):
+    """BackPACK's Embedding rule in the signals' dtype (BackPACK's is float32)."""
+
+    def _weight_jac_t_mat_prod(
+        self,
+        module: nn.Embedding,
+        g_inp: object,
+        g_out: object,
+        mat: torch.Tensor,
+        sum_batch: bool = True,
+        subsampling: list[int] | None = None,
+    ) -> torch.Tensor:
+        self._check_parameters(module)
+        index = module.input0 if subsampling is None else module.input0[subsampling]
+        one_hot = torch.nn.functional.one_hot(index, module.num_embeddings).to(mat)
+        equation = f"n...s,vn...h->v{'' if sum_batch else 'n'}sh"
+        return torch.einsum(equation, one_hot, mat)
+
+
+#: Module types with a per-sample Jacobian rule (those of BackPACK's ``BatchGrad``
+#: that take a single batch-first input).
+DERIVATIVES: dict[type[nn.Module], BaseParameterDerivatives] = {
+    nn.Linear: LinearDerivatives(),
+    nn.Conv1d: Conv1DDerivatives(),
+    nn.Conv2d: Conv2DDerivatives(),
+    nn.Conv3d: Conv3DDerivatives(),
+    nn.ConvTranspose1d: ConvTranspose1DDerivatives(),
+    nn.ConvTranspose2d: ConvTranspose2DDerivatives(),
+    nn.ConvTranspose3d: ConvTranspose3DDerivatives(),
+    nn.BatchNorm1d: BatchNormNdDerivatives(),
+    nn.BatchNorm2d: BatchNormNdDerivatives(),
+    nn.BatchNorm3d: BatchNormNdDerivatives(),
+    nn.Embedding: _EmbeddingDerivatives(),
+}
+
+_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.Module]:
+    """Return the modules that own ``params`` directly, checking each is supported.
+
+    Parameters
+    ----------
+    root : torch.nn.Module
+        Model whose submodules are searched.
+    params : sequence of torch.Tensor
+        Parameters the Jacobian is taken with respect to.
+
+    Returns
+    -------
+    list of torch.nn.Module
+        Owners in ``root.modules()`` order, each listed once.
+
+    Raises
+    ------
+    UnsupportedModuleError
+        If a parameter is owned by a module without a Jacobian rule, or by none, or
+        if a BatchNorm layer is in training mode.
+
+    """
+    wanted = {id(p) for p in params}
+    owners: list[nn.Module] = []
+    found: set[int] = set()
+    unsupported: list[str] = []
+    for name, module in root.named_modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) in wanted]
+        if not own:
+            continue
+        found.update(id(p) for p in own)
+        if type(module) not in DERIVATIVES:
+            unsupported.append(f"{name or '<root>'} ({type(module).__name__})")
+            continue
+        if isinstance(module, _BATCHNORM) and module.training:
+            raise UnsupportedModuleError(
+                f"BatchNorm layer '{name}' is in training mode, where per-sample "
+                "Jacobians are not defined (the batch statistics couple the samples). "
+                "Call model.eval() first."
+            )
+        if isinstance(module, nn.Embedding) and (
+            module.padding_idx is not None or module.max_norm is not None
+        ):
+            unsupported.append(f"{name} (Embedding with padding_idx or max_norm)")
+            continue
+        owners.append(module)
+    if unsupported:
+        supported = ", ".join(sorted(t.__name__ for t in DERIVATIVES))
+        raise UnsupportedModuleError(
+            "The BackPACK backend has no per-sample Jacobian rule for the "
+            f"parameterised module(s) {', '.join(unsupported)}. Supported: "
+            f"{supported}. Parameter-free modules (activations, pooling, reshapes, "
+            "custom functions) are always fine. Use "
+            "laplace_diffjac.DiffFuncGGN (torch.func) for this model."
+        )
+    if len(found) != len(wanted):
+        raise UnsupportedModuleError(
+            "Some trainable parameters do not belong to a submodule of the model "
+            "that is differentiated; use laplace_diffjac.DiffFuncGGN."
+        )
+    return owners
+
+
+def param_jacobian_factors(
+    calls: Iterable[LayerCall],
+    output_grads: Sequence[torch.Tensor | None],
+    params: Sequence[torch.Tensor],
+) -> dict[int, list[Factors]]:
+    """Map batched output signals of each module call to Jacobian factors.
+
+    ``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding) give closed-form
+    factors that :func:`.jacobian_blocks.assemble` writes straight into the final
+    Jacobian; every other module gives a block from BackPACK's ``param_mjp``.
+
+    Parameters
+    ----------
+    calls : iterable of LayerCall
+        Recorded module calls.
+    output_grads : sequence of torch.Tensor or None
+        For each call, ``(V, batch, *output_shape)``: the gradient of each of V
+        scalar-per-sample functions with respect to the call's output; ``None``
+        where the output does not influence them.
+    params : sequence of torch.Tensor
+        Parameters of interest; others owned by the modules are skipped.
+
+    Returns
+    -------
+    dict
+        ``id(param) -> [factors, ...]``, one entry per call that contributes
+        (several for a shared module). Parameters without any contribution are
+        absent.
+
+    """
+    wanted = {id(p) for p in params}
+    result: dict[int, list[Factors]] = {}
+    for call, grad in zip(calls, output_grads):
+        if grad is None:
+            continue
+        if type(call.module) is nn.Linear:
+            blocks = _linear_factors(call, grad, wanted)
+        elif _has_closed_form_conv2d(call.module):
+            blocks = _conv2d_factors(call, grad, wanted)
+        else:
+            blocks = _backpack_blocks(call, grad, wanted)
+        for key, factors in blocks:
+            result.setdefault(key, []).append(factors)
+    return result
+
+
+def _linear_factors(
+    call: LayerCall, grad: torch.Tensor, wanted: set[int]
+) -> list[tuple[int, Factors]]:
+    """Closed-form ``nn.Linear`` factors.
+
+    With signals ``g`` ``(V, batch, *, out)`` and inputs ``a`` ``(batch, *, in)``,
+    the weight block of sample ``b`` is ``Σ_t g[v, b, t] ⊗ a[b, t]`` (an outer
+    product when there are no extra dimensions ``*``) and the bias block
+    ``Σ_t g[v, b, t]``.
+    """
+    module = call.module
+    n_rows, batch, n_out = grad.shape[0], grad.shape[1], grad.shape[-1]
+    g = grad.reshape(n_rows, batch, -1, n_out).transpose(2, 3)  # (V, B, out, T)
+    blocks: list[tuple[int, Factors]] = []
+    if id(module.weight) in wanted:
+        a = call.inputs[0].reshape(batch, -1, module.in_features)  # (B, T, in)
+        blocks.append((id(module.weight), Product(_batch_first(g), a)))
+    if module.bias is not None and id(module.bias) in wanted:
+        blocks.append((id(module.bias), Summed(g)))
+    return blocks
+
+
+def _batch_first(g: torch.Tensor) -> torch.Tensor:
+    """``(V, B, out, L)`` signals as ``(B, V, out, L)``: a view for ``L == 1``.
+
+    With more than one position the product is a ``bmm`` over the batch, whose
+    left factor must be contiguous; the copy is made here, in the autograd graph,
+    so that the Jacobian stays differentiable twice.
+    """
+    g = g.transpose(0, 1)
+    return g if g.shape[3] == 1 else g.contiguous()
+
+
+def _has_closed_form_conv2d(module: nn.Module) -> bool:
+    return (
+        type(module) is nn.Conv2d
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+    )
+
+
+def _conv2d_factors(
+    call: LayerCall, grad: torch.Tensor, wanted: set[int]
+) -> list[tuple[int, Factors]]:
+    """Closed-form ``nn.Conv2d`` factors (groups 1, zero padding).
+
+    A convolution is a Linear layer applied at every output position to the
+    unfolded input patches ``(batch, C_in·kh·kw, L)``, so its factors are those of
+    :func:`_linear_factors` with the ``L`` positions as the extra dimensions.
+    """
+    module = call.module
+    n_rows, batch = grad.shape[0], grad.shape[1]
+    g = grad.reshape(n_rows, batch, module.out_channels, -1)  # (V, B, out, L)
+    blocks: list[tuple[int, Factors]] = []
+    if id(module.weight) in wanted:
+        patches = torch.nn.functional.unfold(
+            call.inputs[0],
+            module.kernel_size,
+            dilation=module.dilation,
+            padding=module.padding,
+            stride=module.stride,
+        )  # (B, C_in·kh·kw, L)
+        blocks.append(
+            (id(module.weight), Product(_batch_first(g), patches.transpose(1, 2)))
+        )
+    if module.bias is not None and id(module.bias) in wanted:
+        blocks.append((id(module.bias), Summed(g)))
+    return blocks
+
+
+def _backpack_blocks(
+    call: LayerCall, grad: torch.Tensor, wanted: set[int]
+) -> list[tuple[int, Factors]]:
+    """BackPACK's ``param_mjp`` per parameter, as ``(V, batch, numel)`` blocks."""
+    module = call.module
+    derivatives = DERIVATIVES[type(module)]
+    saved = {k: vars(module)[k] for k in ("input0", "output") if k in vars(module)}
+    vars(module)["input0"] = call.inputs[0]
+    vars(module)["output"] = call.output
+    blocks: list[tuple[int, Factors]] = []
+    try:
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in wanted:
+                continue
+            jac = derivatives.param_mjp(
+                name, module, None, (grad[0],), grad, sum_batch=False
+            )
+            n_rows, batch = jac.shape[:2]
+            blocks.append((id(param), Dense(jac.reshape(n_rows, batch, -1))))
+    finally:
+        for key in ("input0", "output"):
+            vars(module).pop(key, None)
+        vars(module).update(saved)
+    return blocks

@@ -1,0 +1,198 @@
+"""The one mechanism behind the BackPACK backends: Jacobians in one forward pass.
+
+1. One forward pass records the input and output of every module that owns a
+   parameter of interest (:mod:`.layer_calls`).
+2. One vectorised ``torch.autograd.grad`` (``is_grads_batched``) sends all C output
+   signals back to those module outputs at once. ``autograd.grad`` accumulates into
+   no ``.grad`` and, as it is asked only for module outputs, fires no hook on the
+   input or on leaves upstream of it.
+3. Per-module rules (:mod:`.derivatives`: closed forms for Linear and Conv2d,
+   BackPACK's derivatives otherwise) turn the signals at each module into factors
+   of the per-sample parameter Jacobians, which :mod:`.jacobian_blocks` writes
+   straight into one ``(batch, C, P)`` tensor (no per-block copies, no
+   concatenation) with a backward pass of its own.
+
+With ``enable_backprop=True`` the signals are computed with ``create_graph=True``, so
+the Jacobians are differentiable with respect to the input and the parameters; with
+``enable_backprop=False`` step 3 runs under ``torch.no_grad`` and no graph is kept.
+Everything runs inside :func:`.model_guard.preserved_state`, so an exception at any
+point leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ._assembly import assemble
+from ._derivatives import owning_modules, param_jacobian_factors
+from ._inputs import check_model_output
+from ._layer_calls import recorded_calls
+from ._model_guard import preserved_state
+from ._warnings import quiet_full_backward_hook_warning
+
+
+def parameter_jacobians(
+    model: nn.Module,
+    x: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    *,
+    root: nn.Module | None = None,
+    enable_backprop: bool = False,
+    selected_outputs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample Jacobians of the model outputs with respect to ``params``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Model called as ``model(x)``; must return ``(batch, C)`` or ``(batch,)``.
+    x : torch.Tensor
+        Input batch ``(batch, *input_shape)``, already validated.
+    params : sequence of torch.Tensor
+        Parameters, in the column order of the result.
+    root : torch.nn.Module, optional
+        Submodule that owns ``params`` (``model`` by default; the last layer for
+        last-layer Laplace).
+    enable_backprop : bool, default=False
+        Keep the results connected to the graph of ``x`` and the parameters.
+    selected_outputs : torch.Tensor, optional
+        Integer indices ``(batch, S)``: differentiate only output
+        ``selected_outputs[n, s]`` of sample ``n`` in row ``s``.
+
+    Returns
+    -------
+    Js : torch.Tensor
+        ``(batch, C, P)``, or ``(batch, S, P)`` with ``selected_outputs``.
+    f : torch.Tensor
+        Model output as returned by the model, ``(batch, C)`` or ``(batch,)``.
+
+    """
+    root = model if root is None else root
+    modules = owning_modules(root, params)
+    batch = x.shape[0]
+    x_in = x if enable_backprop else x.detach()
+    with preserved_state(model), torch.enable_grad():
+        with recorded_calls(modules) as calls:
+            f = check_model_output(model(x_in), batch)
+        f2 = f if f.dim() == 2 else f.unsqueeze(1)
+        signals = _output_signals(f2, selected_outputs)
+        with quiet_full_backward_hook_warning():  # hooks of a user-extended model
+            grads = _batched_grad(
+                f2, [c.output for c in calls], signals, enable_backprop
+            )
+        with torch.set_grad_enabled(enable_backprop):
+            factors = param_jacobian_factors(calls, grads, params)
+            Js = assemble(factors, params, signals.shape[0], batch, f)
+    if not enable_backprop:
+        return Js.detach(), f.detach()
+    return Js, f
+
+
+def per_sample_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    loss_of_output: Callable[[torch.Tensor], torch.Tensor],
+    params: Sequence[torch.Tensor],
+    *,
+    root: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample gradients of a sum-reduced loss with respect to ``params``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Model called as ``model(x)``.
+    x : torch.Tensor
+        Input batch ``(batch, *input_shape)``.
+    loss_of_output : callable
+        Maps the model output to the scalar loss, a sum over samples.
+    params : sequence of torch.Tensor
+        Parameters, in the column order of the result.
+    root : torch.nn.Module, optional
+        Submodule that owns ``params``.
+
+    Returns
+    -------
+    Gs : torch.Tensor
+        ``(batch, P)``, detached.
+    loss : torch.Tensor
+        The scalar loss, detached.
+
+    """
+    root = model if root is None else root
+    modules = owning_modules(root, params)
+    batch = x.shape[0]
+    with preserved_state(model), torch.enable_grad():
+        with recorded_calls(modules) as calls:
+            f = model(x.detach())
+        loss = loss_of_output(f)
+        outputs = [c.output for c in calls]
+        with quiet_full_backward_hook_warning():
+            grads = torch.autograd.grad(loss, outputs, allow_unused=True)
+        with torch.no_grad():
+            signals = [None if g is None else g.unsqueeze(0) for g in grads]
+            factors = param_jacobian_factors(calls, signals, params)
+            Gs = assemble(factors, params, 1, batch, f)[:, 0]
+    return Gs.detach(), loss.detach()
+
+
+def _output_signals(f: torch.Tensor, selected: torch.Tensor | None) -> torch.Tensor:
+    """Return the batched gradient seeds ``(V, batch, C)`` for ``f`` ``(batch, C)``."""
+    batch, n_out = f.shape
+    if selected is None:
+        eye = torch.eye(n_out, dtype=f.dtype, device=f.device)
+        return eye[:, None, :].expand(n_out, batch, n_out)
+    selected = selected.to(device=f.device, dtype=torch.long)
+    if selected.dim() == 1:
+        selected = selected[:, None]
+    if selected.shape[0] != batch:
+        raise ValueError(
+            f"Output selectors have {selected.shape[0]} rows but the batch has {batch}."
+        )
+    if selected.numel() and (selected.min() < 0 or selected.max() >= n_out):
+        raise ValueError(f"Output selectors must lie in [0, {n_out}).")
+    one_hot = torch.nn.functional.one_hot(selected, n_out).to(f.dtype)
+    return one_hot.permute(1, 0, 2)
+
+
+def _batched_grad(
+    f: torch.Tensor,
+    outputs: list[torch.Tensor],
+    signals: torch.Tensor,
+    create_graph: bool,
+) -> list[torch.Tensor | None]:
+    """Vector-Jacobian products of ``f`` for every seed in ``signals`` at once."""
+    if not outputs:
+        return []
+    try:
+        return list(
+            torch.autograd.grad(
+                f,
+                outputs,
+                signals,
+                retain_graph=True,
+                create_graph=create_graph,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
+        )
+    except RuntimeError:
+        # Some operations (or user hooks) have no batching rule: one pass per seed.
+        per_seed = [
+            torch.autograd.grad(
+                f,
+                outputs,
+                seed,
+                retain_graph=True,
+                create_graph=create_graph,
+                allow_unused=True,
+            )
+            for seed in signals
+        ]
+        return [
+            None if column[0] is None else torch.stack(column)
+            for column in zip(*per_seed)
+        ]

@@ -1,0 +1,72 @@
+"""Closed-form, graph-connected Jacobians of a final ``nn.Linear`` layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModuleError
+from ._inputs import check_model_output
+from ._layer_calls import recorded_calls
+from ._model_guard import preserved_state
+
+
+def last_layer_jacobians(
+    model: nn.Module, x: object, enable_backprop: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jacobians with respect to the parameters of ``model.last_layer``.
+
+    For ``f = W phi(x) + b`` the Jacobian is ``phi(x)`` placed in each output's row
+    block, followed by an identity block for the bias, exactly laplace-torch's
+    layout. The features ``phi(x)`` are read with a hook local to this call, so they
+    stay connected to the graph of ``x`` even when laplace-torch's
+    ``FeatureExtractor`` detaches its own copy.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model with a ``last_layer`` attribute that is an ``nn.Linear`` (for
+        instance laplace-torch's ``FeatureExtractor``).
+    x : torch.Tensor or mapping
+        Input batch.
+    enable_backprop : bool, default=False
+        Keep the results connected to the graph of ``x`` and the parameters.
+
+    Returns
+    -------
+    Js : torch.Tensor
+        ``(batch, C, C * D + C)`` (without the last block if there is no bias).
+    f : torch.Tensor
+        ``(batch, C)``.
+
+    """
+    last = getattr(model, "last_layer", None)
+    if not isinstance(last, nn.Linear):
+        raise UnsupportedModuleError(
+            "last_layer_jacobians needs a model whose `last_layer` is an nn.Linear "
+            f"(got {type(last).__name__}); wrap the model in laplace-torch's "
+            "FeatureExtractor or use last_layer=False."
+        )
+    with (
+        preserved_state(model),
+        torch.set_grad_enabled(enable_backprop or torch.is_grad_enabled()),
+    ):
+        with recorded_calls([last]) as calls:
+            f = model(x)
+    if not calls:
+        raise UnsupportedModuleError("The model's last_layer was not called.")
+    phi = calls[-1].inputs[0]
+    f = check_model_output(f, phi.shape[0])
+    if phi.dim() != 2:
+        raise UnsupportedModuleError(
+            f"The last layer's input has shape {tuple(phi.shape)}; closed-form "
+            "last-layer Jacobians need (batch, features)."
+        )
+    batch, n_out = phi.shape[0], last.out_features
+    eye = torch.eye(n_out, dtype=phi.dtype, device=phi.device)
+    Js = torch.einsum("bd,ij->bijd", phi, eye).reshape(batch, n_out, -1)
+    if last.bias is not None:
+        Js = torch.cat([Js, eye.expand(batch, n_out, n_out)], dim=2)
+    if not enable_backprop:
+        return Js.detach(), f.detach()
+    return Js, f

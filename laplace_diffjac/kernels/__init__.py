@@ -1,0 +1,23 @@
+"""Kernels of a trained network: the prior-scaled GGN/NTK and likelihood Hessians.
+
+``ntk``/``ntk_diag`` build ``J(x1) Σ₀ J(x2)ᵀ`` in laplace-torch's ``(B1, B2, C, C)``
+layout from any backend's graph-connected Jacobians, or without forming ``J``
+through ``structured_ntk`` for chains of Linear layers and elementwise
+activations. ``output_hessians`` gives the GGN likelihood Hessians ``Λₙ``.
+"""
+
+from ._likelihood_hessians import output_hessians
+from ._ntk import PriorPrecision, gram, jacobians, ntk, ntk_diag, prior_variance
+from ._structured import structured_ntk, supports_structured_ntk
+
+__all__ = [
+    "PriorPrecision",
+    "gram",
+    "jacobians",
+    "ntk",
+    "ntk_diag",
+    "output_hessians",
+    "prior_variance",
+    "structured_ntk",
+    "supports_structured_ntk",
+]

@@ -1,0 +1,307 @@
+"""The prior-scaled GGN/NTK Gram ``J(x1) Σ₀ J(x2)ᵀ``, chunked and differentiable.
+
+The layout is laplace-torch's ``FunctionalLaplace`` one: ``(B1, B2, C, C)`` with
+entry ``[a, b, c, e] = J_c(x1_a) Σ₀ J_e(x2_b)ᵀ`` (einsum ``"acp,p,bep->abce"``).
+
+Two routes compute it:
+
+* the general route asks a backend (any of :mod:`laplace_diffjac.backends`) for
+  per-sample Jacobians block by block, so at most ``chunk_size`` Jacobians of each
+  input live at once while the Gram is built;
+* the structured route, :func:`laplace_diffjac.kernels.structured_ntk`, never
+  forms ``J`` (chains of Linear layers and elementwise activations). It is used
+  automatically when the model supports it, the prior is scalar and the backend
+  takes all parameters (no last-layer or subnetwork restriction).
+
+Both routes are differentiable with respect to ``x1``, ``x2`` and the parameters
+whenever gradients are enabled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Union
+
+import torch
+
+from ._structured import structured_ntk, supports_structured_ntk
+
+PriorPrecision = Union[float, torch.Tensor]
+
+__all__ = ["gram", "jacobians", "ntk", "ntk_diag", "prior_variance"]
+
+
+def prior_variance(
+    prior_precision: PriorPrecision, n_params: int, like: torch.Tensor
+) -> torch.Tensor:
+    """Return the prior variance ``Σ₀ = prior_precision⁻¹``, scalar or vector.
+
+    Parameters
+    ----------
+    prior_precision : float or torch.Tensor
+        Scalar, ``(1,)`` or per-parameter ``(P,)``.
+    n_params : int
+        Number of parameters ``P`` the Jacobians have.
+    like : torch.Tensor
+        Tensor whose device and dtype the result takes.
+
+    Returns
+    -------
+    torch.Tensor
+        ``()`` for a scalar prior, ``(P,)`` otherwise.
+
+    Raises
+    ------
+    ValueError
+        If the precision is not positive or its length is neither 1 nor ``P``.
+
+    """
+    prec = torch.as_tensor(prior_precision, device=like.device, dtype=like.dtype)
+    if prec.numel() == 1:
+        prec = prec.reshape(())
+    elif prec.shape != (n_params,):
+        raise ValueError(
+            f"prior_precision must be a scalar or have {n_params} entries (one per "
+            f"parameter); got shape {tuple(prec.shape)}."
+        )
+    if bool((prec <= 0).any()):
+        raise ValueError("prior_precision must be positive.")
+    return prec.reciprocal()
+
+
+def gram(
+    J1: torch.Tensor, J2: torch.Tensor, prior_var: torch.Tensor | float = 1.0
+) -> torch.Tensor:
+    """Contract two Jacobian batches into a kernel block.
+
+    Parameters
+    ----------
+    J1 : torch.Tensor
+        ``(B1, C, P)``.
+    J2 : torch.Tensor
+        ``(B2, C, P)``.
+    prior_var : torch.Tensor or float, default=1.0
+        Scalar or ``(P,)`` prior variance.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B1, B2, C, C)``, ``J1 Σ₀ J2ᵀ``.
+
+    """
+    prior_var = torch.as_tensor(prior_var, device=J1.device, dtype=J1.dtype)
+    if prior_var.dim() == 0:
+        return prior_var * torch.einsum("acp,bep->abce", J1, J2)
+    return torch.einsum("acp,p,bep->abce", J1, prior_var, J2)
+
+
+def _chunks(x: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return list(torch.split(x, size, dim=0)) if x.shape[0] else [x]
+
+
+def jacobians(
+    backend: Any, x: torch.Tensor, enable_backprop: bool | None = None
+) -> torch.Tensor:
+    """Per-sample Jacobians of a backend, last-layer aware.
+
+    Parameters
+    ----------
+    backend : laplace.curvature.CurvatureInterface
+        Backend; with ``last_layer=True`` its ``last_layer_jacobians`` is used.
+    x : torch.Tensor
+        ``(B, *input_shape)``.
+    enable_backprop : bool, optional
+        Keep the graph; default: whether gradients are enabled.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, C, P)``.
+
+    """
+    if enable_backprop is None:
+        enable_backprop = torch.is_grad_enabled()
+    if getattr(backend, "last_layer", False):
+        Js, _ = backend.last_layer_jacobians(x, enable_backprop=enable_backprop)
+    else:
+        Js, _ = backend.jacobians(x, enable_backprop=enable_backprop)
+    return Js
+
+
+def _jacobian_fn(backend: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: jacobians(backend, x)
+
+
+def _structured_route(backend: Any, prior_var: torch.Tensor) -> Callable | None:
+    """``structured_ntk`` when it applies, else ``None``."""
+    if prior_var.dim() != 0:
+        return None
+    if getattr(backend, "last_layer", False):
+        return None
+    if getattr(backend, "subnetwork_indices", None) is not None:
+        return None
+    model = backend.model
+    if not supports_structured_ntk(model, list(backend.params)):
+        return None
+    precision = prior_var.reciprocal()
+
+    def block(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return structured_ntk(model, x1, x2, precision)
+
+    return block
+
+
+def ntk(
+    backend: Any,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None = None,
+    prior_precision: PriorPrecision = 1.0,
+    chunk_size: int = 256,
+    structured: bool | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Prior-scaled GGN/NTK Gram ``J(x1) Σ₀ J(x2)ᵀ`` in laplace-torch's layout.
+
+    Parameters
+    ----------
+    backend : laplace.curvature.CurvatureInterface
+        A backend whose ``jacobians(x, enable_backprop)`` returns graph-connected
+        ``(batch, C, P)`` Jacobians, e.g. ``DiffBackPackGGN``, ``DiffBackPackEF`` or
+        ``DiffFuncGGN``. Last-layer backends use ``last_layer_jacobians``; a
+        subnetwork backend's Jacobians are already restricted.
+    x1 : torch.Tensor
+        ``(B1, *input_shape)``.
+    x2 : torch.Tensor, optional
+        ``(B2, *input_shape)``; ``None`` means ``x1`` (the Jacobians of ``x1`` are
+        then computed once per chunk pair).
+    prior_precision : float or torch.Tensor, default=1.0
+        Scalar or per-parameter ``(P,)`` prior precision; ``Σ₀`` is its inverse.
+    chunk_size : int, default=256
+        At most this many inputs of ``x1`` and of ``x2`` have their Jacobians
+        materialised at once (``2 * chunk_size * C * P`` numbers). Under autograd
+        the graph keeps the blocks' Jacobians for the backward pass.
+    structured : bool, optional
+        ``None`` uses :func:`laplace_diffjac.kernels.structured_ntk` when it
+        applies and falls back otherwise; ``False`` always uses Jacobians; ``True``
+        requires the structured route.
+    dtype : torch.dtype, optional
+        Contract (and return) in this dtype, e.g. ``torch.float64`` for accurate
+        accumulation from float32 Jacobians. Default: the Jacobians' dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B1, B2, C, C)``; differentiable with respect to ``x1``, ``x2`` and the
+        parameters while gradients are enabled.
+
+    Raises
+    ------
+    ValueError
+        If ``structured=True`` but the structured route does not apply, or the
+        prior precision has the wrong size.
+
+    """
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be positive.")
+    symmetric = x2 is None
+    x2 = x1 if x2 is None else x2
+    n_params = _n_params(backend)
+    prior_var = prior_variance(
+        prior_precision,
+        n_params,
+        torch.empty((), device=x1.device, dtype=dtype or _param_dtype(backend)),
+    )
+    route = None if structured is False else _structured_route(backend, prior_var)
+    if structured and route is None:
+        raise ValueError(
+            "The structured NTK route does not apply here (the model is not a chain "
+            "of Linear layers and elementwise activations, the prior is not scalar, "
+            "or the backend is last-layer/subnetwork)."
+        )
+    if route is not None:
+        return _blocks(x1, x2, chunk_size, route, dtype)
+    jac = _jacobian_fn(backend)
+
+    def block_from(J1: torch.Tensor, x2c: torch.Tensor, same: bool) -> torch.Tensor:
+        J2 = J1 if same else jac(x2c)
+        if dtype is not None:
+            J1, J2 = J1.to(dtype), J2.to(dtype)
+        return gram(J1, J2, prior_var)
+
+    rows = []
+    for i, x1c in enumerate(_chunks(x1, chunk_size)):
+        J1 = jac(x1c)
+        cols = [
+            block_from(J1, x2c, symmetric and i == j)
+            for j, x2c in enumerate(_chunks(x2, chunk_size))
+        ]
+        rows.append(torch.cat(cols, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def ntk_diag(
+    backend: Any,
+    x: torch.Tensor,
+    prior_precision: PriorPrecision = 1.0,
+    chunk_size: int = 256,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Compute the per-input blocks ``J(xₙ) Σ₀ J(xₙ)ᵀ`` (diagonal of :func:`ntk`).
+
+    Parameters
+    ----------
+    backend : laplace.curvature.CurvatureInterface
+        As for :func:`ntk`.
+    x : torch.Tensor
+        ``(B, *input_shape)``.
+    prior_precision : float or torch.Tensor, default=1.0
+        Scalar or per-parameter ``(P,)``.
+    chunk_size : int, default=256
+        Inputs whose Jacobians are materialised at once.
+    dtype : torch.dtype, optional
+        Contraction dtype, as for :func:`ntk`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, C, C)``.
+
+    """
+    prior_var = prior_variance(
+        prior_precision,
+        _n_params(backend),
+        torch.empty((), device=x.device, dtype=dtype or _param_dtype(backend)),
+    )
+    jac = _jacobian_fn(backend)
+    out = []
+    for xc in _chunks(x, chunk_size):
+        J = jac(xc)
+        J = J if dtype is None else J.to(dtype)
+        out.append(torch.einsum("bcp,bep->bce", J * prior_var, J))
+    return torch.cat(out, dim=0)
+
+
+def _blocks(
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    chunk_size: int,
+    block: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
+    rows = []
+    for x1c in _chunks(x1, chunk_size):
+        cols = [block(x1c, x2c) for x2c in _chunks(x2, chunk_size)]
+        row = torch.cat(cols, dim=1)
+        rows.append(row if dtype is None else row.to(dtype))
+    return torch.cat(rows, dim=0)
+
+
+def _n_params(backend: Any) -> int:
+    indices = getattr(backend, "subnetwork_indices", None)
+    if indices is not None:
+        return int(indices.numel())
+    return sum(p.numel() for p in backend.params)
+
+
+def _param_dtype(backend: Any) -> torch.dtype:
+    return next(iter(backend.model.parameters())).dtype

@@ -1,0 +1,27 @@
+"""Everything that touches laplace-torch's classes, reversibly.
+
+``register``/``unregister`` make every estimator accept this package's backends
+(``_registration``); ``patch_laplace`` swaps laplace-torch's BackPACK backends for
+ours while active (``_drop_in``). Both are reversible replacements of single class
+attributes (``_patching``), decided by ``issubclass``.
+"""
+
+from ._compat import LAPLACE_VERSION
+from ._drop_in import LaplacePatch, is_patched, patch_laplace
+from ._registration import (
+    is_registered,
+    is_side_effect_free,
+    register,
+    unregister,
+)
+
+__all__ = [
+    "LAPLACE_VERSION",
+    "LaplacePatch",
+    "is_patched",
+    "is_registered",
+    "is_side_effect_free",
+    "patch_laplace",
+    "register",
+    "unregister",
+]

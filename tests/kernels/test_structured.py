@@ -1,0 +1,144 @@
+"""``structured_ntk`` against the Gram of float64 reference Jacobians."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from laplace_diffjac.kernels._structured import structured_ntk, supports_structured_ntk
+from tests.references import reference_jacobians
+
+
+def _chain(*acts: nn.Module, c: int = 3, bias: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Flatten()]
+    fan_in = 4
+    for act in acts:
+        layers += [nn.Linear(fan_in, 5, bias=bias), act]
+        fan_in = 5
+    layers.append(nn.Linear(fan_in, c))
+    return nn.Sequential(*layers).double().eval()
+
+
+MODELS = {
+    "tanh-sigmoid": lambda: _chain(nn.Tanh(), nn.Sigmoid()),
+    "relu-gelu": lambda: _chain(nn.ReLU(), nn.GELU()),
+    "gelu-tanh-approx": lambda: _chain(nn.GELU(approximate="tanh")),
+    "silu-softplus": lambda: _chain(nn.SiLU(), nn.Softplus(beta=2.0, threshold=1.0)),
+    "elu-leaky": lambda: _chain(nn.ELU(alpha=0.7), nn.LeakyReLU(0.2)),
+    "inplace-relu-nobias": lambda: _chain(nn.ReLU(inplace=True), bias=False),
+    "identity-dropout-C1": lambda: (
+        nn.Sequential(
+            nn.Linear(4, 6), nn.Identity(), nn.Dropout(0.5), nn.Tanh(), nn.Linear(6, 1)
+        )
+        .double()
+        .eval()
+    ),
+    "nested-ends-in-act": lambda: nn.Sequential(
+        nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(6, 2), nn.Sigmoid()
+    ).double(),
+    "single-linear": lambda: nn.Sequential(nn.Linear(4, 3)).double(),
+}
+
+
+def _inputs(batch: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 4, generator=gen, dtype=torch.float64)
+
+
+def _reference_gram(model, x1, x2, precision=1.0):
+    J1, _ = reference_jacobians(model, x1)
+    J2, _ = reference_jacobians(model, x2)
+    return torch.einsum("bcp,dep->bdce", J1, J2) / precision
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_equals_reference_gram(name: str) -> None:
+    model = MODELS[name]()
+    x1, x2 = _inputs(5, 1), _inputs(3, 2)
+    assert supports_structured_ntk(model, list(model.parameters()))
+    K = structured_ntk(model, x1, x2, prior_precision=2.5)
+    ref = _reference_gram(model, x1, x2, 2.5)
+    assert K.shape == ref.shape
+    torch.testing.assert_close(K, ref, rtol=1e-10, atol=1e-12)
+    K_sym = structured_ntk(model, x1)
+    torch.testing.assert_close(K_sym, _reference_gram(model, x1, x1))
+
+
+def test_frozen_parameters_are_left_out() -> None:
+    model = _chain(nn.Tanh())
+    model[1].weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert supports_structured_ntk(model, params)
+    assert not supports_structured_ntk(model, list(model.parameters()))
+    x = _inputs(4, 3)
+    J, _ = reference_jacobians(model, x, params)
+    ref = torch.einsum("bcp,dep->bdce", J, J)
+    torch.testing.assert_close(structured_ntk(model, x), ref)
+
+
+def test_tensor_prior_precision_and_parameter_gradient() -> None:
+    model = _chain(nn.Tanh())
+    x = _inputs(3, 4)
+    prec = torch.tensor(3.0, dtype=torch.float64)
+    K = structured_ntk(model, x, prior_precision=prec)
+    torch.testing.assert_close(K, _reference_gram(model, x, x, 3.0))
+    weight = model[1].weight
+    (g,) = torch.autograd.grad(K.square().sum(), weight)
+    (g_ref,) = torch.autograd.grad(
+        _reference_gram(model, x, x).square().sum() / 9, weight
+    )
+    torch.testing.assert_close(g, g_ref)
+
+
+@pytest.mark.parametrize(
+    "name", ["tanh-sigmoid", "silu-softplus", "nested-ends-in-act"]
+)
+def test_gradcheck_in_both_inputs(name: str) -> None:
+    model = MODELS[name]()
+    x1 = _inputs(3, 5).requires_grad_(True)
+    x2 = _inputs(2, 6).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: structured_ntk(model, a, b), (x1, x2))
+    assert torch.autograd.gradcheck(lambda a: structured_ntk(model, a), (x1,))
+    assert torch.autograd.gradgradcheck(lambda a: structured_ntk(model, a), (x1,))
+
+
+UNSUPPORTED = {
+    "not-sequential": lambda: nn.Linear(4, 3),
+    "conv": lambda: nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(4, 2)),
+    "layernorm": lambda: nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)),
+    "softmax": lambda: nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=-1)),
+    "prelu": lambda: nn.Sequential(nn.Linear(4, 3), nn.PReLU()),
+    "train-dropout": lambda: nn.Sequential(nn.Linear(4, 3), nn.Dropout()).train(),
+    "partial-flatten": lambda: nn.Sequential(nn.Flatten(2), nn.Linear(4, 3)),
+    "empty": lambda: nn.Sequential(),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_models(name: str) -> None:
+    model = UNSUPPORTED[name]()
+    assert not supports_structured_ntk(model, list(model.parameters()))
+    with pytest.raises(ValueError):
+        structured_ntk(model, torch.randn(2, 1, 4))
+
+
+def test_bad_shapes_and_prior() -> None:
+    model = _chain(nn.Tanh())
+    with pytest.raises(ValueError):
+        structured_ntk(model, _inputs(2, 1), prior_precision=torch.ones(3))
+    no_flatten = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="features"):
+        structured_ntk(no_flatten, torch.randn(2, 5, 4))
+
+
+def test_no_side_effects_and_no_warnings(recwarn: pytest.WarningsRecorder) -> None:
+    from tests.references import assert_same_state, model_state
+
+    model = _chain(nn.ReLU(inplace=True))
+    before = model_state(model)
+    x = _inputs(3, 7).requires_grad_(True)
+    torch.autograd.grad(structured_ntk(model, x).sum(), x)
+    assert_same_state(before, model_state(model))
+    assert not recwarn.list
