@@ -124,7 +124,8 @@ def patch_laplace() -> LaplacePatch:
     Use it as a call (``handle = patch_laplace(); ...; handle.undo()``) or as a
     context manager (``with patch_laplace(): ...``). Handles may nest and be undone
     in any order; laplace-torch is restored exactly when the last one is undone.
-    The adapter (:func:`laplace_diffjac.laplace_integration.register`) is active while patched.
+    The adapter (:func:`laplace_diffjac.laplace_integration.register`) is active
+    while patched.
 
     Returns
     -------
