@@ -2,5 +2,13 @@
 
 from ._backpack import DiffBackPackEF, DiffBackPackGGN
 from ._functorch import DiffFuncGGN
+from ._protocol import BackendSpec, JacobianBackend, as_backend
 
-__all__ = ["DiffBackPackEF", "DiffBackPackGGN", "DiffFuncGGN"]
+__all__ = [
+    "BackendSpec",
+    "DiffBackPackEF",
+    "DiffBackPackGGN",
+    "DiffFuncGGN",
+    "JacobianBackend",
+    "as_backend",
+]

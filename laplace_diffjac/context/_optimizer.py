@@ -25,16 +25,22 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..backends import DiffBackPackGGN
-from ..kernels._likelihood_hessians import output_hessians
-from ..kernels._ntk import PriorPrecision, gram, jacobians, prior_variance
+from ..backends import BackendSpec, JacobianBackend, as_backend
+from ..kernels import (
+    PriorPrecision,
+    flat_gram,
+    jacobians,
+    jittered_cholesky,
+    n_jacobian_columns,
+    output_hessians,
+    prior_variance,
+)
 from ._data import Data, collect
 from ._init import initial_locations
 
 __all__ = [
     "LocationHistory",
     "LocationResult",
-    "make_backend",
     "nystrom_gap",
     "optimize_locations",
 ]
@@ -72,33 +78,8 @@ class LocationResult:
     history: LocationHistory
 
 
-def make_backend(model: nn.Module, likelihood: str, backend: Any = None) -> Any:
-    """Return a backend instance: given, built from a class, or ``DiffBackPackGGN``.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        The trained network.
-    likelihood : {'regression', 'classification'}
-        The likelihood.
-    backend : type or backend instance, optional
-        ``None`` means ``DiffBackPackGGN``.
-
-    Returns
-    -------
-    Any
-        A backend with ``jacobians(x, enable_backprop)``.
-
-    """
-    if backend is None:
-        backend = DiffBackPackGGN
-    if isinstance(backend, type):
-        return backend(model, likelihood)
-    return backend
-
-
 def nystrom_gap(
-    backend: Any,
+    backend: JacobianBackend,
     x: torch.Tensor,
     locations: torch.Tensor,
     hessians: torch.Tensor,
@@ -151,12 +132,8 @@ def nystrom_gap(
     J_z = jacobians(backend, locations).to(f64)
     prior_var = prior_variance(prior_precision, J_z.shape[-1], J_z)
     C = J_z.shape[1]
-    K_zz = gram(J_z, J_z, prior_var).permute(0, 2, 1, 3).reshape(M * C, M * C)
-    K_zz = 0.5 * (K_zz + K_zz.T)
-    scale = jitter * K_zz.diagonal().mean().detach().clamp_min(1e-30)
-    eye = torch.eye(M * C, dtype=f64, device=K_zz.device)
-    L = torch.linalg.cholesky(K_zz + scale * eye)
-    gap = torch.zeros((), dtype=f64, device=K_zz.device)
+    L = jittered_cholesky(flat_gram(J_z, J_z, prior_var), jitter)
+    gap = torch.zeros((), dtype=f64, device=L.device)
     known = (
         torch.split(x_jacobians, chunk_size)
         if x_jacobians is not None
@@ -171,7 +148,7 @@ def nystrom_gap(
         J_x = J_x.detach().to(f64)
         lam = lam.to(f64)
         K_nn = torch.einsum("bcp,bep->bce", J_x * prior_var, J_x)
-        K_zx = gram(J_z, J_x, prior_var).permute(0, 2, 1, 3).reshape(M * C, b * C)
+        K_zx = flat_gram(J_z, J_x, prior_var)
         V = torch.linalg.solve_triangular(L, K_zx, upper=False).reshape(M * C, b, C)
         explained = torch.einsum("kbc,bce,kbe->", V, lam, V)
         gap = gap + torch.einsum("bce,bce->", lam, K_nn) - explained
@@ -191,7 +168,7 @@ class _TrainingCache:
 
     def __init__(
         self,
-        backend: Any,
+        backend: JacobianBackend,
         model: nn.Module,
         X: torch.Tensor,
         likelihood: str,
@@ -209,7 +186,7 @@ class _TrainingCache:
                 ]
             )
         C = self.hessians.shape[-1]
-        n_params = sum(p.numel() for p in backend.params)
+        n_params = n_jacobian_columns(backend)
         size = X.shape[0] * C * n_params * X.element_size()
         if cache_jacobians is None:
             cache_jacobians = size <= _JACOBIAN_CACHE_BYTES
@@ -232,7 +209,7 @@ _JACOBIAN_CACHE_BYTES = 512 * 2**20
 
 
 def _full_gap(
-    backend: Any,
+    backend: JacobianBackend,
     cache: _TrainingCache,
     Z: torch.Tensor,
     kwargs: dict[str, Any],
@@ -255,7 +232,7 @@ def optimize_locations(
     data: Data,
     m: int,
     init: str | torch.Tensor = "kmeans",
-    backend: Any = None,
+    backend: BackendSpec = None,
     prior_precision: PriorPrecision = 1.0,
     sigma_noise: float | torch.Tensor = 1.0,
     temperature: float = 1.0,
@@ -334,7 +311,7 @@ def optimize_locations(
     N = X.shape[0]
     gen = torch.Generator().manual_seed(seed)
     Z0 = initial_locations(X, m, init, gen).to(device)
-    backend = make_backend(model, likelihood, backend)
+    backend = as_backend(model, likelihood, backend)
     kwargs = {
         "lik": (sigma_noise, temperature),
         "gap": {

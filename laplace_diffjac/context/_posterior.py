@@ -22,16 +22,21 @@ The factor is computed in float64 as ``K_ZZ = L Lᵀ``,
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..backends import DiffBackPackGGN
-from ..kernels._likelihood_hessians import output_hessians
-from ..kernels._ntk import PriorPrecision, gram, jacobians, prior_variance
-from ._data import Data
+from ..backends import BackendSpec, DiffBackPackGGN, as_backend
+from ..kernels import (
+    PriorPrecision,
+    flat_gram,
+    jacobians,
+    jittered_cholesky,
+    output_hessians,
+    prior_variance,
+)
+from ._data import Data, input_batches
 
 __all__ = ["ContextPosterior"]
 
@@ -78,7 +83,7 @@ class ContextPosterior:
         sigma_noise: float = 1.0,
         prior_precision: PriorPrecision = 1.0,
         temperature: float = 1.0,
-        backend: Any = DiffBackPackGGN,
+        backend: BackendSpec = DiffBackPackGGN,
         enable_backprop: bool = False,
         jitter: float = 1e-8,
         batch_size: int = 256,
@@ -93,9 +98,7 @@ class ContextPosterior:
         self.sigma_noise = sigma_noise
         self.prior_precision = prior_precision
         self.temperature = temperature
-        self.backend = (
-            backend(model, likelihood) if isinstance(backend, type) else backend
-        )
+        self.backend = as_backend(model, likelihood, backend)
         self.enable_backprop = enable_backprop
         self.jitter = jitter
         self.batch_size = batch_size
@@ -137,27 +140,19 @@ class ContextPosterior:
         M, C, _ = J_z.shape
         B = torch.zeros(M * C, M * C, dtype=f64, device=device)
         n = 0
-        for xb in tqdm(self._batches(train_loader), disable=not progress_bar):
+        batches = input_batches(train_loader, self.batch_size)
+        for xb in tqdm(batches, disable=not progress_bar):
             xb = xb.to(device)
             with torch.no_grad():
                 Js, f = self.backend.jacobians(xb, enable_backprop=False)
             lam = output_hessians(f.to(f64), self.likelihood)  # without 1/(σ² T)
-            K_zx = gram(J_z, Js.to(f64), self._prior_var)  # (M, b, C, C)
-            K_zx = K_zx.permute(0, 2, 1, 3).reshape(M * C, -1, C)
+            K_zx = flat_gram(J_z, Js.to(f64), self._prior_var).reshape(M * C, -1, C)
             B += torch.einsum("kbc,bce,lbe->kl", K_zx, lam, K_zx)
             n += xb.shape[0]
         self._B = 0.5 * (B + B.T)
         self.n_data = n
         self._W = None
         return self
-
-    def _batches(self, data: Data):
-        if isinstance(data, torch.utils.data.DataLoader):
-            for batch in data:
-                yield batch[0] if isinstance(batch, (tuple, list)) else batch
-            return
-        x = data[0] if isinstance(data, (tuple, list)) else data
-        yield from torch.split(x, self.batch_size)
 
     def _factor(self) -> torch.Tensor:
         if self._B is None or self._J_z is None:
@@ -166,13 +161,7 @@ class ContextPosterior:
         if self._W is not None and self._W_key == key:
             return self._W
         J_z = self._J_z
-        M, C, _ = J_z.shape
-        K_zz = gram(J_z, J_z, self._prior_var).permute(0, 2, 1, 3)
-        K_zz = K_zz.reshape(M * C, M * C)
-        K_zz = 0.5 * (K_zz + K_zz.T)
-        scale = self.jitter * K_zz.diagonal().mean().clamp_min(1e-300)
-        eye = torch.eye(M * C, dtype=K_zz.dtype, device=K_zz.device)
-        L = torch.linalg.cholesky(K_zz + scale * eye)
+        L = jittered_cholesky(flat_gram(J_z, J_z, self._prior_var), self.jitter)
         B = self._B * self._H_factor
         A = torch.linalg.solve_triangular(L, B, upper=False)
         A = torch.linalg.solve_triangular(L, A.T, upper=False)
@@ -184,8 +173,8 @@ class ContextPosterior:
 
     def _k_star_z(self, Js: torch.Tensor) -> torch.Tensor:
         """``K*Z`` as ``(B*, C, M*C)`` in float64."""
-        K = gram(Js.to(torch.float64), self._J_z, self._prior_var)  # (B*, M, C, C)
-        return K.permute(0, 2, 1, 3).reshape(Js.shape[0], Js.shape[1], -1)
+        K = flat_gram(Js.to(torch.float64), self._J_z, self._prior_var)
+        return K.reshape(Js.shape[0], Js.shape[1], -1)
 
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
         """Latent posterior covariance per test input.

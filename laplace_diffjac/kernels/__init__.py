@@ -6,14 +6,27 @@ through ``structured_ntk`` for chains of Linear layers and elementwise
 activations. ``output_hessians`` gives the GGN likelihood Hessians ``Λₙ``.
 """
 
+from ._cholesky import jittered_cholesky
 from ._likelihood_hessians import output_hessians
-from ._ntk import PriorPrecision, gram, jacobians, ntk, ntk_diag, prior_variance
+from ._ntk import (
+    PriorPrecision,
+    flat_gram,
+    gram,
+    jacobians,
+    n_jacobian_columns,
+    ntk,
+    ntk_diag,
+    prior_variance,
+)
 from ._structured import structured_ntk, supports_structured_ntk
 
 __all__ = [
     "PriorPrecision",
+    "flat_gram",
     "gram",
     "jacobians",
+    "jittered_cholesky",
+    "n_jacobian_columns",
     "ntk",
     "ntk_diag",
     "output_hessians",

@@ -20,15 +20,24 @@ whenever gradients are enabled.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Union
 
 import torch
 
+from ..backends import JacobianBackend
 from ._structured import structured_ntk, supports_structured_ntk
 
 PriorPrecision = Union[float, torch.Tensor]
 
-__all__ = ["gram", "jacobians", "ntk", "ntk_diag", "prior_variance"]
+__all__ = [
+    "flat_gram",
+    "gram",
+    "jacobians",
+    "n_jacobian_columns",
+    "ntk",
+    "ntk_diag",
+    "prior_variance",
+]
 
 
 def prior_variance(
@@ -95,12 +104,38 @@ def gram(
     return torch.einsum("acp,p,bep->abce", J1, prior_var, J2)
 
 
+def flat_gram(
+    J1: torch.Tensor, J2: torch.Tensor, prior_var: torch.Tensor | float = 1.0
+) -> torch.Tensor:
+    """The kernel block of :func:`gram` as a matrix, rows and columns input-major.
+
+    Parameters
+    ----------
+    J1 : torch.Tensor
+        ``(B1, C, P)``.
+    J2 : torch.Tensor
+        ``(B2, C, P)``.
+    prior_var : torch.Tensor or float, default=1.0
+        Scalar or ``(P,)`` prior variance.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B1 C, B2 C)`` with entry ``[a C + c, b C + e] = J_c(x1_a) Σ₀ J_e(x2_b)ᵀ``,
+        the order of laplace-torch's ``K_MM``.
+
+    """
+    B1, C = J1.shape[:2]
+    B2 = J2.shape[0]
+    return gram(J1, J2, prior_var).permute(0, 2, 1, 3).reshape(B1 * C, B2 * C)
+
+
 def _chunks(x: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(torch.split(x, size, dim=0)) if x.shape[0] else [x]
 
 
 def jacobians(
-    backend: Any, x: torch.Tensor, enable_backprop: bool | None = None
+    backend: JacobianBackend, x: torch.Tensor, enable_backprop: bool | None = None
 ) -> torch.Tensor:
     """Per-sample Jacobians of a backend, last-layer aware.
 
@@ -128,11 +163,13 @@ def jacobians(
     return Js
 
 
-def _jacobian_fn(backend: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+def _jacobian_fn(backend: JacobianBackend) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: jacobians(backend, x)
 
 
-def _structured_route(backend: Any, prior_var: torch.Tensor) -> Callable | None:
+def _structured_route(
+    backend: JacobianBackend, prior_var: torch.Tensor
+) -> Callable | None:
     """``structured_ntk`` when it applies, else ``None``."""
     if prior_var.dim() != 0:
         return None
@@ -152,7 +189,7 @@ def _structured_route(backend: Any, prior_var: torch.Tensor) -> Callable | None:
 
 
 def ntk(
-    backend: Any,
+    backend: JacobianBackend,
     x1: torch.Tensor,
     x2: torch.Tensor | None = None,
     prior_precision: PriorPrecision = 1.0,
@@ -205,7 +242,7 @@ def ntk(
         raise ValueError("chunk_size must be positive.")
     symmetric = x2 is None
     x2 = x1 if x2 is None else x2
-    n_params = _n_params(backend)
+    n_params = n_jacobian_columns(backend)
     prior_var = prior_variance(
         prior_precision,
         n_params,
@@ -240,7 +277,7 @@ def ntk(
 
 
 def ntk_diag(
-    backend: Any,
+    backend: JacobianBackend,
     x: torch.Tensor,
     prior_precision: PriorPrecision = 1.0,
     chunk_size: int = 256,
@@ -269,7 +306,7 @@ def ntk_diag(
     """
     prior_var = prior_variance(
         prior_precision,
-        _n_params(backend),
+        n_jacobian_columns(backend),
         torch.empty((), device=x.device, dtype=dtype or _param_dtype(backend)),
     )
     jac = _jacobian_fn(backend)
@@ -296,12 +333,27 @@ def _blocks(
     return torch.cat(rows, dim=0)
 
 
-def _n_params(backend: Any) -> int:
+def n_jacobian_columns(backend: JacobianBackend) -> int:
+    """Number ``P`` of columns of the backend's Jacobians.
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        A backend; its ``params`` are already restricted to the trainable (and,
+        for last-layer backends, last-layer) parameters.
+
+    Returns
+    -------
+    int
+        ``len(subnetwork_indices)`` for a subnetwork backend, else the number of
+        entries of ``backend.params``.
+
+    """
     indices = getattr(backend, "subnetwork_indices", None)
     if indices is not None:
         return int(indices.numel())
     return sum(p.numel() for p in backend.params)
 
 
-def _param_dtype(backend: Any) -> torch.dtype:
+def _param_dtype(backend: JacobianBackend) -> torch.dtype:
     return next(iter(backend.model.parameters())).dtype

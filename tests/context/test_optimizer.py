@@ -20,7 +20,8 @@ def _reference_gap(model, x, z, lam, prec, jitter):
     Jz, _ = reference_jacobians(model, z)
     M, C, _ = Jz.shape
     Kzz = torch.einsum("acp,bep->acbe", Jz, Jz).reshape(M * C, M * C) / prec
-    Kzz = Kzz + jitter * Kzz.diagonal().mean().detach() * torch.eye(M * C).double()
+    # The relative jitter is part of the objective (not detached).
+    Kzz = Kzz + jitter * Kzz.diagonal().mean() * torch.eye(M * C).double()
     Kzx = torch.einsum("acp,bep->acbe", Jz, Jx).reshape(M * C, -1) / prec
     Q = (Kzx.T @ torch.linalg.solve(Kzz, Kzx)).reshape(len(x), C, len(x), C)
     Q = torch.einsum("acae->ace", Q)
