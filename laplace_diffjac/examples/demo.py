@@ -139,9 +139,12 @@ class _Problem:
     grid: torch.Tensor
 
     @property
-    def hyperparameters(self) -> dict[str, float]:
-        s = self.settings
-        return {"sigma_noise": s.sigma_noise, "prior_precision": s.prior_precision}
+    def sigma_noise(self) -> float:
+        return self.settings.sigma_noise
+
+    @property
+    def prior_precision(self) -> float:
+        return self.settings.prior_precision
 
     def nll(self, prediction: Any) -> float:
         """Test NLL of a laplace-torch style prediction (probit for classes)."""
@@ -192,7 +195,8 @@ def _add_reference(problem: _Problem, result: DemoResult) -> torch.Tensor:
         subset_of_weights="all",
         hessian_structure="full",
         backend=DiffBackPackGGN,
-        **problem.hyperparameters,
+        sigma_noise=problem.sigma_noise,
+        prior_precision=problem.prior_precision,
     )
     full.fit(problem.loader)
     var_full = _latent_variance(full, problem.grid)
@@ -228,7 +232,8 @@ def _choose_locations(
         patience=s.patience,
         seed=seed,
         progress_bar=progress_bar,
-        **problem.hyperparameters,
+        sigma_noise=problem.sigma_noise,
+        prior_precision=problem.prior_precision,
     )
     result.optimisation_time = time.perf_counter() - start
     result.history = opt.history
@@ -243,12 +248,25 @@ def _fit_on_locations(
     problem: _Problem, method: str, hessian: str | None, Z: torch.Tensor
 ) -> tuple[Any, Any]:
     """Fit one context method on ``Z``; return it and its test prediction."""
-    task, lik = problem.settings.task, problem.hyperparameters
+    task, sigma, prior = (
+        problem.settings.task,
+        problem.sigma_noise,
+        problem.prior_precision,
+    )
     if hessian is None:
-        la: Any = ContextPosterior(problem.model, task, Z, **lik).fit(problem.loader)
-        return la, la(problem.x_test, link_approx="probit")
+        cp = ContextPosterior(
+            problem.model, task, Z, sigma_noise=sigma, prior_precision=prior
+        )
+        cp.fit(problem.loader)
+        return cp, cp(problem.x_test, link_approx="probit")
     la = LocationFunctionalLaplace(
-        problem.model, task, Z, reweight=True, output_hessian=hessian, **lik
+        problem.model,
+        task,
+        Z,
+        reweight=True,
+        output_hessian=hessian,
+        prior_precision=prior,
+        sigma_noise=sigma,
     )
     la.fit(problem.loader)
     return la, la(problem.x_test, pred_type="gp", link_approx="probit")
