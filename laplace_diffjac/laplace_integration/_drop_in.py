@@ -16,7 +16,6 @@ before keep theirs.
 
 from __future__ import annotations
 
-import threading
 from types import TracebackType
 from typing import Any
 
@@ -26,7 +25,7 @@ from laplace.curvature import BackPackEF, BackPackGGN
 from ..backends import DiffBackPackEF, DiffBackPackGGN
 from . import _registration as adapter
 from ._backend_args import wrap_init
-from ._patching import AttributePatch
+from ._patching import AttributePatch, Reversible, SharedPatches
 
 #: laplace-torch backend -> its side-effect-free replacement (matched by identity).
 REPLACEMENTS: dict[type, type] = {
@@ -42,44 +41,29 @@ def _replacing_policy(backend: Any) -> tuple[Any, None]:
     return backend, None
 
 
-class _Installation:
-    """The ``BaseLaplace.__init__`` patch, shared by all live handles."""
+class _AdapterHold:
+    """Registers the adapter while applied, unless it was registered already."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._patch: AttributePatch | None = None
         self._registered_here = False
 
-    @property
-    def active(self) -> bool:
-        return self._patch is not None
+    def apply(self) -> None:
+        self._registered_here = adapter.register()
 
-    def acquire(self) -> None:
-        with self._lock:
-            if self._users == 0:
-                init = vars(BaseLaplace)["__init__"]
-                patch = AttributePatch(
-                    BaseLaplace, "__init__", wrap_init(init, _replacing_policy)
-                )
-                patch.apply()
-                self._patch = patch
-                self._registered_here = adapter.register()
-            self._users += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                if self._patch is not None:
-                    self._patch.revert()
-                    self._patch = None
-                if self._registered_here:
-                    adapter.unregister()
-                    self._registered_here = False
+    def revert(self) -> None:
+        if self._registered_here:
+            adapter.unregister()
+            self._registered_here = False
 
 
-_INSTALLATION = _Installation()
+def _make_patches() -> list[Reversible]:
+    init = vars(BaseLaplace)["__init__"]
+    swap = AttributePatch(BaseLaplace, "__init__", wrap_init(init, _replacing_policy))
+    return [swap, _AdapterHold()]
+
+
+#: The drop-in's changes, reference-counted over all live handles.
+_INSTALLATION = SharedPatches(_make_patches)
 
 
 class LaplacePatch:
@@ -103,8 +87,6 @@ class LaplacePatch:
         if self._active:
             self._active = False
             _INSTALLATION.release()
-
-    restore = undo
 
     def __enter__(self) -> LaplacePatch:
         return self
@@ -130,7 +112,7 @@ def patch_laplace() -> LaplacePatch:
     Returns
     -------
     LaplacePatch
-        The handle; ``.undo()`` (alias ``.restore()``) or leaving ``with`` undoes it.
+        The handle; ``.undo()`` or leaving ``with`` undoes it.
 
     Examples
     --------

@@ -1,15 +1,18 @@
-"""Reversible replacement of one attribute on one class.
+"""Reversible changes to laplace-torch, and the one way they are shared.
 
 The adapter and :func:`laplace_diffjac.patch_laplace` change laplace-torch only
 through :class:`AttributePatch`: each records exactly what it replaced, and
 reverting puts back that very object (or deletes the attribute if the class had
-inherited it), so nothing of the patch outlives it.
+inherited it), so nothing of the patch outlives it. :class:`SharedPatches` installs
+a set of such changes while at least one user holds it.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional, Protocol
 
 _MISSING = object()
 
@@ -81,4 +84,94 @@ class AttributePatch:
         self._applied = False
 
 
-__all__ = ["AttributePatch"]
+class Reversible(Protocol):
+    """Something that can be applied and reverted, like :class:`AttributePatch`."""
+
+    def apply(self) -> None:
+        """Make the change."""
+
+    def revert(self) -> None:
+        """Undo exactly the change :meth:`apply` made."""
+
+
+class SharedPatches:
+    """Changes installed while at least one user holds them.
+
+    Parameters
+    ----------
+    make : callable
+        Builds the changes, in the order they are applied (reverted in reverse),
+        when the first user arrives.
+    max_users : int, optional
+        At most this many users hold the changes at once; further
+        :meth:`acquire` calls are no-ops (``max_users=1`` makes acquiring
+        idempotent). ``None``: no limit (reference counting).
+
+    """
+
+    def __init__(
+        self, make: Callable[[], Sequence[Reversible]], max_users: Optional[int] = None
+    ) -> None:
+        self._make = make
+        self._max_users = max_users
+        self._lock = threading.Lock()
+        self._users = 0
+        self._changes: Sequence[Reversible] = ()
+
+    @property
+    def active(self) -> bool:
+        """Whether the changes are installed."""
+        return self._users > 0
+
+    def acquire(self) -> bool:
+        """Hold the changes, installing them if this is the first user.
+
+        Returns
+        -------
+        bool
+            ``True`` if this call installed them.
+
+        """
+        with self._lock:
+            if self._max_users is not None and self._users >= self._max_users:
+                return False
+            self._users += 1
+            if self._users > 1:
+                return False
+            changes = list(self._make())
+            applied: list[Reversible] = []
+            try:
+                for change in changes:
+                    change.apply()
+                    applied.append(change)
+            except BaseException:
+                for change in reversed(applied):
+                    change.revert()
+                self._users = 0
+                raise
+            self._changes = changes
+            return True
+
+    def release(self) -> bool:
+        """Stop holding the changes, reverting them if this was the last user.
+
+        Returns
+        -------
+        bool
+            ``True`` if this call reverted them; ``False`` if they stay (other
+            users) or were not held.
+
+        """
+        with self._lock:
+            if self._users == 0:
+                return False
+            self._users -= 1
+            if self._users > 0:
+                return False
+            for change in reversed(self._changes):
+                change.revert()
+            self._changes = ()
+            return True
+
+
+__all__ = ["AttributePatch", "Reversible", "SharedPatches"]

@@ -30,7 +30,6 @@ The decisions are made with ``issubclass``, never with class names.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from laplace import baselaplace
@@ -39,7 +38,7 @@ from laplace.curvature import BackPackGGN, BackPackInterface, CurvlinopsGGN
 
 from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from ._backend_args import wrap_init
-from ._patching import AttributePatch
+from ._patching import AttributePatch, SharedPatches
 
 #: Backends that leave no hooks, attributes or gradients on the model.
 SIDE_EFFECT_FREE_BACKENDS: tuple[type, ...] = (
@@ -111,38 +110,7 @@ def _side_effect_aware(original: property) -> property:
     return property(_uses_backpack_backend, doc=original.__doc__)
 
 
-class _Registration:
-    """The adapter's patches, installed at most once."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._patches: list[AttributePatch] = []
-
-    @property
-    def active(self) -> bool:
-        return bool(self._patches)
-
-    def install(self) -> bool:
-        with self._lock:
-            if self._patches:
-                return False
-            patches = _make_patches()
-            for patch in patches:
-                patch.apply()
-            self._patches = patches
-            return True
-
-    def remove(self) -> bool:
-        with self._lock:
-            if not self._patches:
-                return False
-            for patch in reversed(self._patches):
-                patch.revert()
-            self._patches = []
-            return True
-
-
-_REGISTRATION = _Registration()
+_REGISTRATION = SharedPatches(_make_patches, max_users=1)
 
 
 def register() -> bool:
@@ -157,7 +125,7 @@ def register() -> bool:
         ``True`` if this call installed the adapter, ``False`` if it already was.
 
     """
-    return _REGISTRATION.install()
+    return _REGISTRATION.acquire()
 
 
 def unregister() -> bool:
@@ -171,7 +139,7 @@ def unregister() -> bool:
         ``True`` if this call removed the adapter, ``False`` if it was not installed.
 
     """
-    return _REGISTRATION.remove()
+    return _REGISTRATION.release()
 
 
 def is_registered() -> bool:
