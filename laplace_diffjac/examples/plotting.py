@@ -12,20 +12,6 @@ from .demo import DemoResult
 __all__ = ["plot"]
 
 
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as error:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "Plotting needs matplotlib: pip install 'laplace-diffjac[plot]' "
-            "(or pip install matplotlib)."
-        ) from error
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot(result: DemoResult, path: str) -> str:
     """Write a PNG comparing the posteriors and the locations.
 
@@ -47,7 +33,16 @@ def plot(result: DemoResult, path: str) -> str:
         If matplotlib is not installed (the message says how to install it).
 
     """
-    plt = _pyplot()
+    try:
+        import matplotlib
+    except ImportError as error:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "Plotting needs matplotlib: pip install 'laplace-diffjac[plot]' "
+            "(or pip install matplotlib)."
+        ) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     if result.settings.task == "regression":
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         _regression_panels(axes, result)

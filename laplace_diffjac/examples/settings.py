@@ -51,6 +51,11 @@ class DemoSettings:
         DemoSettings
             The settings.
 
+        Raises
+        ------
+        ValueError
+            For an unknown task.
+
         """
         if task not in ("regression", "classification"):
             raise ValueError(f"Unknown task {task!r}.")

@@ -63,6 +63,12 @@ def run_extension(
     results : list
         ``getattr(param, extension.savefield)`` for each parameter.
 
+    Raises
+    ------
+    UnsupportedModuleError
+        If a module on the path has no BackPACK rule for ``extension`` or the
+        extension produced no result for some parameter.
+
     """
     savefield = extension.savefield
     with preserved_state(model, lossfunc), torch.enable_grad():

@@ -39,6 +39,12 @@ def last_layer_jacobians(
     f : torch.Tensor
         ``(batch, C)``.
 
+    Raises
+    ------
+    UnsupportedModuleError
+        If ``model.last_layer`` is not an ``nn.Linear``, is not called by the
+        model, or does not take ``(batch, features)`` inputs.
+
     """
     last = getattr(model, "last_layer", None)
     if not isinstance(last, nn.Linear):

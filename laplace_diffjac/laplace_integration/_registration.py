@@ -73,6 +73,18 @@ def _functional_policy(backend: Any) -> tuple[Any, Any | None]:
     The constructor is given the laplace-torch class ours stands for (same
     constructor-time checks: BackPACK's for ``DiffBackPackGGN``, none for
     ``DiffFuncGGN``), and ours is installed once it returns.
+
+    Parameters
+    ----------
+    backend : object
+        The backend class the caller chose.
+
+    Returns
+    -------
+    tuple
+        The class handed to the constructor and the class installed afterwards
+        (``None``: leave it).
+
     """
     if not (isinstance(backend, type) and issubclass(backend, FUNCTIONAL_BACKENDS)):
         return backend, None
