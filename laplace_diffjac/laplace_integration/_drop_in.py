@@ -47,6 +47,11 @@ class _AdapterHold:
     def __init__(self) -> None:
         self._registered_here = False
 
+    @property
+    def current(self) -> bool:
+        """Always safe to revert: unregistering checks its own patches."""
+        return True
+
     def apply(self) -> None:
         self._registered_here = adapter.register()
 
@@ -56,10 +61,34 @@ class _AdapterHold:
             self._registered_here = False
 
 
+class _InitSwap:
+    """Wraps ``BaseLaplace.__init__`` as it is when applied (adapter included)."""
+
+    def __init__(self) -> None:
+        self._patch: AttributePatch | None = None
+
+    @property
+    def current(self) -> bool:
+        """Whether the wrapper is still ``BaseLaplace``'s own ``__init__``."""
+        return self._patch is None or self._patch.current
+
+    def apply(self) -> None:
+        init = vars(BaseLaplace)["__init__"]
+        self._patch = AttributePatch(
+            BaseLaplace, "__init__", wrap_init(init, _replacing_policy)
+        )
+        self._patch.apply()
+
+    def revert(self) -> None:
+        if self._patch is not None:
+            self._patch.revert()
+            self._patch = None
+
+
 def _make_patches() -> list[Reversible]:
-    init = vars(BaseLaplace)["__init__"]
-    swap = AttributePatch(BaseLaplace, "__init__", wrap_init(init, _replacing_policy))
-    return [swap, _AdapterHold()]
+    # The adapter may wrap BaseLaplace.__init__ too: it is installed first, so the
+    # swap wraps it and is reverted before it.
+    return [_AdapterHold(), _InitSwap()]
 
 
 #: The drop-in's changes, reference-counted over all live handles.

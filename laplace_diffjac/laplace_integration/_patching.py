@@ -50,6 +50,13 @@ class AttributePatch:
         """Whether the replacement is installed."""
         return self._applied
 
+    @property
+    def current(self) -> bool:
+        """Whether reverting is safe: not applied, or still the class's entry."""
+        return not self._applied or (
+            vars(self.owner).get(self.name, _MISSING) is self.replacement
+        )
+
     def apply(self) -> None:
         """Install the replacement, remembering the class's own entry."""
         if self._applied:
@@ -86,6 +93,10 @@ class AttributePatch:
 
 class Reversible(Protocol):
     """Something that can be applied and reverted, like :class:`AttributePatch`."""
+
+    @property
+    def current(self) -> bool:
+        """Whether :meth:`revert` can undo the change without losing another's."""
 
     def apply(self) -> None:
         """Make the change."""
@@ -161,10 +172,23 @@ class SharedPatches:
             ``True`` if this call reverted them; ``False`` if they stay (other
             users) or were not held.
 
+        Raises
+        ------
+        RuntimeError
+            If the last user releases while one of the changes was itself
+            replaced by someone else; nothing is reverted then, so that no
+            other patch is lost.
+
         """
         with self._lock:
             if self._users == 0:
                 return False
+            if self._users == 1 and not all(c.current for c in self._changes):
+                raise RuntimeError(
+                    "laplace-torch was patched again on top of laplace_diffjac's "
+                    "changes (for instance by an active patch_laplace()); undo "
+                    "that first."
+                )
             self._users -= 1
             if self._users > 0:
                 return False

@@ -41,3 +41,14 @@ def test_failure_while_applying_reverts_what_was_applied():
         shared.acquire()
     assert _Owner.value == "original" and not shared.active
     assert not shared.release()
+
+
+def test_release_refuses_when_a_change_was_replaced_again():
+    shared = SharedPatches(lambda: [_patch()])
+    shared.acquire()
+    _Owner.value = "someone else's"
+    with pytest.raises(RuntimeError, match="patched again"):
+        shared.release()
+    assert shared.active and _Owner.value == "someone else's"
+    _Owner.value = "patched"  # the other patch is undone
+    assert shared.release() and _Owner.value == "original"
