@@ -57,11 +57,11 @@ class StructuredRoute:
 
     def cross(self, a: NTKFeatures, b: NTKFeatures) -> torch.Tensor:
         """``(B1 C, B2 C)`` prior-scaled Gram, input-major."""
-        return feature_gram(a, b) * self.prior_var
+        return feature_gram(a, b, self.prior_var)
 
     def diag(self, a: NTKFeatures) -> torch.Tensor:
         """``(B, C, C)`` per-input blocks."""
-        return feature_diag(a) * self.prior_var
+        return feature_diag(a, self.prior_var)
 
     @staticmethod
     def cat(parts: Sequence[NTKFeatures]) -> NTKFeatures:

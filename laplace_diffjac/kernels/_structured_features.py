@@ -137,53 +137,64 @@ def ntk_features(
 
 
 def _input_scale(
-    a1: torch.Tensor, a2: torch.Tensor, weight: bool, bias: bool
+    a1: torch.Tensor, a2: torch.Tensor, weight: bool, bias: bool, factor: object
 ) -> torch.Tensor:
-    """``a1 a2ᵀ [+ 1]`` ``(B1, B2)`` for the weight [and bias] in the Jacobian."""
+    """``factor (a1 a2ᵀ [+ 1])`` ``(B1, B2)`` for the weight [and bias] in ``J``."""
     if not weight:
-        return a1.new_ones(a1.shape[0], a2.shape[0])
+        return a1.new_full((a1.shape[0], a2.shape[0]), 1.0) * factor
     scale = a1 @ a2.T
-    return scale + 1.0 if bias else scale
+    return (scale + 1.0 if bias else scale) * factor
 
 
-def feature_gram(f1: NTKFeatures, f2: NTKFeatures) -> torch.Tensor:
-    """``J(x1) J(x2)ᵀ`` as a matrix from the two sides' features.
+def feature_gram(
+    f1: NTKFeatures, f2: NTKFeatures, factor: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """``factor · J(x1) J(x2)ᵀ`` as a matrix from the two sides' features.
 
     Parameters
     ----------
     f1, f2 : NTKFeatures
         Features of ``B1`` and ``B2`` inputs of the same model and parameters.
+    factor : float or torch.Tensor, default=1.0
+        Scalar factor (e.g. the prior variance), applied to the ``(B1, B2)``
+        input Grams rather than to the result.
 
     Returns
     -------
     torch.Tensor
         ``(B1 C, B2 C)``, rows and columns input-major: entry
-        ``[a C + c, b C + e] = J_c(x1_a) J_e(x2_b)ᵀ``.
+        ``[a C + c, b C + e] = factor · J_c(x1_a) J_e(x2_b)ᵀ``.
 
     """
     n1, n2, c = len(f1), len(f2), f1.n_outputs
     kernel = None
+    identity = None
     layers = zip(f1.inputs, f1.signals, f2.inputs, f2.signals, f1.weight, f1.bias)
     for a1, g1, a2, g2, weight, bias in layers:
-        scale = _input_scale(a1, a2, weight, bias)
+        scale = _input_scale(a1, a2, weight, bias, factor)
         if g1 is None or g2 is None:  # the last layer: g = identity
-            eye = torch.eye(c, dtype=scale.dtype, device=scale.device)
-            block = scale[:, None, :, None] * eye[None, :, None, :]
-        else:
-            gram = g1.reshape(n1 * c, -1) @ g2.reshape(n2 * c, -1).T
-            block = scale[:, None, :, None] * gram.reshape(n1, c, n2, c)
-        kernel = block if kernel is None else kernel + block
-    assert kernel is not None
+            identity = scale if identity is None else identity + scale
+            continue
+        gram = (g1.reshape(n1 * c, -1) @ g2.reshape(n2 * c, -1).T).view(n1, c, n2, c)
+        scale = scale[:, None, :, None]
+        kernel = scale * gram if kernel is None else torch.addcmul(kernel, scale, gram)
+    if kernel is None:
+        assert identity is not None
+        kernel = identity.new_zeros((n1, c, n2, c))
+    if identity is not None:  # add to the (c, c) diagonals only
+        kernel.diagonal(dim1=1, dim2=3).add_(identity[:, :, None])
     return kernel.reshape(n1 * c, n2 * c)
 
 
-def feature_diag(f: NTKFeatures) -> torch.Tensor:
-    """The per-input blocks ``J(xₙ) J(xₙ)ᵀ`` from one side's features.
+def feature_diag(f: NTKFeatures, factor: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """The per-input blocks ``factor · J(xₙ) J(xₙ)ᵀ`` from one side's features.
 
     Parameters
     ----------
     f : NTKFeatures
         Features of ``B`` inputs.
+    factor : float or torch.Tensor, default=1.0
+        Scalar factor (e.g. the prior variance).
 
     Returns
     -------
@@ -195,7 +206,7 @@ def feature_diag(f: NTKFeatures) -> torch.Tensor:
     blocks = None
     for a, g, weight, bias in zip(f.inputs, f.signals, f.weight, f.bias):
         scale = (a * a).sum(-1) if weight else a.new_zeros(a.shape[0])
-        scale = scale + 1.0 if bias else scale
+        scale = (scale + 1.0 if bias else scale) * factor
         if g is None:
             eye = torch.eye(c, dtype=scale.dtype, device=scale.device)
             block = scale[:, None, None] * eye
