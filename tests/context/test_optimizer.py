@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN
-from laplace_diffjac.context._init import initial_locations, kmeans, random_subset
 from laplace_diffjac.context import nystrom_gap, optimize_locations
+from laplace_diffjac.context._init import initial_locations, kmeans, random_subset
 from laplace_diffjac.kernels._likelihood_hessians import output_hessians
 from tests.conftest import CASES
 from tests.references import reference_jacobians
