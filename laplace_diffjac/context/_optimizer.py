@@ -176,8 +176,8 @@ def _checked_inputs(
     check_finite(X, "data")
     check_init(X, m, init)
     if isinstance(init, torch.Tensor):
-        check_finite(init, "init")
         check_like_model(init, "init", model)
+        check_finite(init, "init")
     X = X.to(next(model.parameters()).dtype)
     check_fits_model(X, "data", model)
     return X
