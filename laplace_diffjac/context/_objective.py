@@ -67,7 +67,7 @@ def batch_gap(
         Scalar, float64.
 
     """
-    K_zz = route.cross(z_pieces, z_pieces)
+    K_zz = route.self_gram(z_pieces)
     K_zx = torch.cat([route.cross(z_pieces, p) for p in x_pieces], dim=1)
     return trace_nn.sum() - explained_trace(K_zz, K_zx, hessians.to(_F64), jitter)
 

@@ -34,6 +34,7 @@ from ..kernels import (
     prior_variance,
     structured_applies,
     structured_features,
+    symmetric_feature_gram,
 )
 
 Pieces = Union[NTKFeatures, torch.Tensor]
@@ -58,6 +59,10 @@ class StructuredRoute:
     def cross(self, a: NTKFeatures, b: NTKFeatures) -> torch.Tensor:
         """``(B1 C, B2 C)`` prior-scaled Gram, input-major."""
         return feature_gram(a, b, self.prior_var)
+
+    def self_gram(self, a: NTKFeatures) -> torch.Tensor:
+        """``(B C, B C)`` Gram of a batch with itself, for a symmetric consumer."""
+        return symmetric_feature_gram(a, self.prior_var)
 
     def diag(self, a: NTKFeatures) -> torch.Tensor:
         """``(B, C, C)`` per-input blocks."""
@@ -86,6 +91,10 @@ class JacobianRoute:
     def cross(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``(B1 C, B2 C)`` prior-scaled Gram, input-major."""
         return flat_gram(a, b, self.prior_var)
+
+    def self_gram(self, a: torch.Tensor) -> torch.Tensor:
+        """``(B C, B C)`` Gram of a batch with itself."""
+        return flat_gram(a, a, self.prior_var)
 
     def diag(self, a: torch.Tensor) -> torch.Tensor:
         """``(B, C, C)`` per-input blocks."""

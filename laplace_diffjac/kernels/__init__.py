@@ -27,6 +27,7 @@ from ._structured import (
     supports_structured_ntk,
 )
 from ._structured_features import NTKFeatures, feature_diag, feature_gram
+from ._symmetric_gram import symmetric_feature_gram
 
 __all__ = [
     "ACTIVATIONS",
@@ -49,4 +50,5 @@ __all__ = [
     "structured_features",
     "structured_ntk",
     "supports_structured_ntk",
+    "symmetric_feature_gram",
 ]

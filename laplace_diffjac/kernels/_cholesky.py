@@ -144,9 +144,9 @@ class _ExplainedTrace(torch.autograd.Function):
         n, b, C = ctx.shape
         g_K = g_zx = g_lam = None
         if ctx.needs_input_grad[0]:
-            g_K = -grad * (A_lam @ A.T)
+            g_K = torch.mm(A_lam, A.T).mul_(-grad)
         if ctx.needs_input_grad[1]:
-            g_zx = (2 * grad) * A_lam
+            g_zx = A_lam.mul(2 * grad)
         if ctx.needs_input_grad[2]:
             X = torch.bmm(
                 K_zx.reshape(n, b, C).permute(1, 2, 0),
