@@ -199,3 +199,36 @@ def test_features_with_frozen_weight_or_bias() -> None:
     torch.testing.assert_close(
         feature_diag(f1), torch.einsum("bcp,bep->bce", J1, J1), rtol=1e-10, atol=1e-12
     )
+
+
+@pytest.mark.parametrize(
+    "name", ["tanh-sigmoid", "identity-dropout-C1", "single-linear"]
+)
+def test_symmetric_gram_value_and_gradient(name: str) -> None:
+    """Equal to the reference Gram; gradient equal to autograd's for a symmetric
+    consumer (a symmetric weighting), gradcheck in the inputs."""
+    from laplace_diffjac.kernels import structured_features, symmetric_feature_gram
+
+    model = MODELS[name]()
+    x = _inputs(4, 8).requires_grad_(True)
+    K = symmetric_feature_gram(structured_features(model, x), 0.7)
+    ref = 0.7 * _flat_reference(model, x, x)
+    torch.testing.assert_close(K, ref, rtol=1e-10, atol=1e-12)
+    W = torch.randn(*K.shape, generator=torch.Generator().manual_seed(3)).double()
+    W = W + W.T
+    (g,) = torch.autograd.grad((K * W).sum(), x)
+    (g_ref,) = torch.autograd.grad((ref * W).sum(), x)
+    torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-11)
+    weights = list(model.parameters())
+    gw = torch.autograd.grad(
+        (symmetric_feature_gram(structured_features(model, x)) * W).sum(),
+        weights,
+        allow_unused=True,
+    )
+    gw_ref = torch.autograd.grad(
+        (_flat_reference(model, x, x) * W).sum(), weights, allow_unused=True
+    )
+    for a, b, p in zip(gw, gw_ref, weights):
+        a = torch.zeros_like(p) if a is None else a
+        b = torch.zeros_like(p) if b is None else b
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
