@@ -287,7 +287,8 @@ class _EarlyStopping:
 
     def __init__(self, patience: int, rel_tol: float) -> None:
         self.patience, self.rel_tol = patience, rel_tol
-        self.best, self.ema, self.since_best = math.inf, None, 0
+        self.best, self.since_best = math.inf, 0
+        self.ema: float | None = None
 
     def stop(self, value: float) -> bool:
         self.ema = value if self.ema is None else 0.9 * self.ema + 0.1 * value

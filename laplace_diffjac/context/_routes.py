@@ -56,22 +56,22 @@ class StructuredRoute:
             f = structured_features(self.backend.model, x).to(_F64)
         return f if graph else f.detach()
 
-    def cross(self, a: NTKFeatures, b: NTKFeatures) -> torch.Tensor:
+    def cross(self, a: Pieces, b: Pieces) -> torch.Tensor:
         """``(B1 C, B2 C)`` prior-scaled Gram, input-major."""
-        return feature_gram(a, b, self.prior_var)
+        return feature_gram(_features(a), _features(b), self.prior_var)
 
-    def self_gram(self, a: NTKFeatures) -> torch.Tensor:
+    def self_gram(self, a: Pieces) -> torch.Tensor:
         """``(B C, B C)`` Gram of a batch with itself, for a symmetric consumer."""
-        return symmetric_feature_gram(a, self.prior_var)
+        return symmetric_feature_gram(_features(a), self.prior_var)
 
-    def diag(self, a: NTKFeatures) -> torch.Tensor:
+    def diag(self, a: Pieces) -> torch.Tensor:
         """``(B, C, C)`` per-input blocks."""
-        return feature_diag(a, self.prior_var)
+        return feature_diag(_features(a), self.prior_var)
 
     @staticmethod
-    def cat(parts: Sequence[NTKFeatures]) -> NTKFeatures:
+    def cat(parts: Sequence[Pieces]) -> NTKFeatures:
         """Concatenate pieces of consecutive batches."""
-        return NTKFeatures.cat(parts)
+        return NTKFeatures.cat([_features(p) for p in parts])
 
 
 @dataclass(frozen=True)
@@ -88,25 +88,38 @@ class JacobianRoute:
         with torch.no_grad():
             return jacobians(self.backend, x, enable_backprop=False).to(_F64)
 
-    def cross(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def cross(self, a: Pieces, b: Pieces) -> torch.Tensor:
         """``(B1 C, B2 C)`` prior-scaled Gram, input-major."""
-        return flat_gram(a, b, self.prior_var)
+        return flat_gram(_jacobians(a), _jacobians(b), self.prior_var)
 
-    def self_gram(self, a: torch.Tensor) -> torch.Tensor:
+    def self_gram(self, a: Pieces) -> torch.Tensor:
         """``(B C, B C)`` Gram of a batch with itself."""
-        return flat_gram(a, a, self.prior_var)
+        return flat_gram(_jacobians(a), _jacobians(a), self.prior_var)
 
-    def diag(self, a: torch.Tensor) -> torch.Tensor:
+    def diag(self, a: Pieces) -> torch.Tensor:
         """``(B, C, C)`` per-input blocks."""
-        return torch.einsum("bcp,bep->bce", a * self.prior_var, a)
+        J = _jacobians(a)
+        return torch.einsum("bcp,bep->bce", J * self.prior_var, J)
 
     @staticmethod
-    def cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    def cat(parts: Sequence[Pieces]) -> torch.Tensor:
         """Concatenate pieces of consecutive batches."""
-        return torch.cat(list(parts))
+        return torch.cat([_jacobians(p) for p in parts])
 
 
 Route = Union[StructuredRoute, JacobianRoute]
+
+
+def _features(p: Pieces) -> NTKFeatures:
+    if not isinstance(p, NTKFeatures):
+        raise TypeError("The structured route takes NTKFeatures pieces.")
+    return p
+
+
+def _jacobians(p: Pieces) -> torch.Tensor:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError("The Jacobian route takes Jacobian pieces (B, C, P).")
+    return p
 
 
 def make_route(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -45,9 +46,9 @@ ACTIVATIONS: dict[type[nn.Module], _Derivative] = {
     nn.Tanh: lambda m, z, a: 1 - a**2,
     nn.Sigmoid: lambda m, z, a: a * (1 - a),
     nn.ReLU: lambda m, z, a: (z > 0).to(z.dtype),
-    nn.GELU: _gelu,
+    nn.GELU: cast(_Derivative, _gelu),
     nn.SiLU: _silu,
-    nn.Softplus: _softplus,
-    nn.ELU: _elu,
-    nn.LeakyReLU: _leaky_relu,
+    nn.Softplus: cast(_Derivative, _softplus),
+    nn.ELU: cast(_Derivative, _elu),
+    nn.LeakyReLU: cast(_Derivative, _leaky_relu),
 }

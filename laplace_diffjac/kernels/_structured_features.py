@@ -84,10 +84,16 @@ class NTKFeatures:
             torch.cat([p.inputs[i] for p in parts]) for i in range(len(first.inputs))
         )
         signals = tuple(
-            None if g is None else torch.cat([p.signals[i] for p in parts])
+            None if g is None else torch.cat([_signal(p, i) for p in parts])
             for i, g in enumerate(first.signals)
         )
         return NTKFeatures(inputs, signals, first.weight, first.bias, first.n_outputs)
+
+
+def _signal(f: NTKFeatures, i: int) -> torch.Tensor:
+    g = f.signals[i]
+    assert g is not None
+    return g
 
 
 def ntk_features(
@@ -120,7 +126,10 @@ def ntk_features(
     """
     trace = _forward_trace(layers, x)
     out = trace[-1]
-    inputs, signals, weight, bias = [], [], [], []
+    inputs: list[torch.Tensor] = []
+    signals: list[torch.Tensor | None] = []
+    weight: list[bool] = []
+    bias: list[bool] = []
     for linear, a, g in _output_signals(trace):
         has_w = id(linear.weight) in wanted
         has_b = linear.bias is not None and id(linear.bias) in wanted
@@ -137,7 +146,11 @@ def ntk_features(
 
 
 def _input_scale(
-    a1: torch.Tensor, a2: torch.Tensor, weight: bool, bias: bool, factor: object
+    a1: torch.Tensor,
+    a2: torch.Tensor,
+    weight: bool,
+    bias: bool,
+    factor: float | torch.Tensor,
 ) -> torch.Tensor:
     """``factor (a1 a2ᵀ [+ 1])`` ``(B1, B2)`` for the weight [and bias] in ``J``."""
     if not weight:
@@ -249,7 +262,9 @@ def _forward_trace(layers: Sequence[nn.Module], x: torch.Tensor) -> list:
     return ops
 
 
-def _output_signals(trace: list) -> list[tuple[nn.Linear, torch.Tensor, object]]:
+def _output_signals(
+    trace: list,
+) -> list[tuple[nn.Linear, torch.Tensor, torch.Tensor | None]]:
     """Backpropagate the identity on the output to every Linear layer's output.
 
     Returns ``(linear, input (B, in), g (B, C, out) or None for identity)`` per

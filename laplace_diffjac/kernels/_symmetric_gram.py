@@ -65,7 +65,7 @@ class _SymmetricGram(torch.autograd.Function):
         inputs, signals = tensors[:k], tensors[k:]
         n = inputs[0].shape[0]
         kernel = inputs[0].new_zeros((n, c, n, c))
-        grams = []
+        grams: list[torch.Tensor | None] = []
         for a, g, w, b, eye in zip(inputs, signals, weight, bias, identity):
             scale = _scale(a, w, b) * factor
             if eye:
@@ -87,7 +87,8 @@ class _SymmetricGram(torch.autograd.Function):
         inputs, signals = tensors[: ctx.k], tensors[ctx.k :]
         n = inputs[0].shape[0]
         G = grad.reshape(n, c, n, c)
-        grads_a, grads_g = [], []
+        grads_a: list[torch.Tensor | None] = []
+        grads_g: list[torch.Tensor | None] = []
         layers = zip(inputs, signals, weight, bias, identity, ctx.grams)
         for a, g, w, b, eye, gram in layers:
             if eye:
