@@ -13,14 +13,17 @@ from ._functional_laplace import (
     functional_laplace_on_locations,
 )
 from ._init import initial_locations, kmeans, random_subset
-from ._optimizer import LocationHistory, LocationResult, nystrom_gap, optimize_locations
+from ._objective import nystrom_gap
+from ._optimizer import LocationHistory, LocationResult, optimize_locations
 from ._posterior import ContextPosterior
+from ._settings import LocationSettings
 
 __all__ = [
     "ContextPosterior",
     "LocationFunctionalLaplace",
     "LocationHistory",
     "LocationResult",
+    "LocationSettings",
     "functional_laplace_on_locations",
     "initial_locations",
     "kmeans",
