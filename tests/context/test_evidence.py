@@ -1,4 +1,4 @@
-"""The context posterior's evidence against laplace-torch's FullLaplace and dense maths."""
+"""The context posterior's evidence against laplace-torch's FullLaplace, dense maths."""
 
 from __future__ import annotations
 
