@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_diffjac import DiffBackPackGGN
 from laplace_diffjac.context import ContextPosterior
-from tests.context.test_evidence import _data
 from tests.conftest import CASES
+from tests.context.test_evidence import _data
 
 MLP = CASES[1]
 
