@@ -1,4 +1,4 @@
-"""optimize_prior_precision on a ContextPosterior against laplace-torch's FullLaplace."""
+"""optimize_prior_precision on a ContextPosterior against FullLaplace's."""
 
 from __future__ import annotations
 
