@@ -39,6 +39,7 @@ from laplace.curvature import BackPackGGN, BackPackInterface, CurvlinopsGGN
 
 from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from ._backend_args import wrap_init
+from ._factory import factory_patches
 from ._patching import AttributePatch
 
 #: Backends that leave no hooks, attributes or gradients on the model.
@@ -98,6 +99,9 @@ def _make_patches() -> list[AttributePatch]:
                 _side_effect_aware(uses_backpack),
             )
         )
+    patches.extend(
+        factory_patches()
+    )  # Laplace(..., functional_approximation="context")
     return patches
 
 
