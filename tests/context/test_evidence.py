@@ -105,7 +105,8 @@ def _dense_bound(model, x, y, z, likelihood, prec, sigma):
     if likelihood == "regression":
         lam = torch.eye(C).double().expand(N, C, C) / sigma**2
         loglik = -0.5 * ((y - fx) ** 2).sum() / sigma**2
-        loglik = loglik - N * C * math.log(sigma * math.sqrt(2 * math.pi))
+        sig = torch.as_tensor(sigma, dtype=torch.float64)
+        loglik = loglik - N * C * torch.log(sig * math.sqrt(2 * math.pi))
     else:
         p = fx.softmax(-1)
         lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
@@ -114,9 +115,12 @@ def _dense_bound(model, x, y, z, likelihood, prec, sigma):
     Kzx = Jz.reshape(-1, P) @ Jx.reshape(N * C, P).T / prec
     Kzz = Jz.reshape(-1, P) @ Jz.reshape(-1, P).T / prec
     Q = Kzx.T @ torch.linalg.solve(Kzz, Kzx)
-    e, U = torch.linalg.eigh(torch.block_diag(*lam))
-    R = U @ torch.diag(e.clamp_min(0).sqrt()) @ U.T
     eye = torch.eye(N * C).double()
+    if likelihood == "regression":  # eigh has no gradient at repeated eigenvalues
+        R = eye / sigma
+    else:
+        e, U = torch.linalg.eigh(torch.block_diag(*lam))
+        R = U @ torch.diag(e.clamp_min(0).sqrt()) @ U.T
     logdet = torch.logdet(eye + R @ Q @ R)
     trace = torch.trace(torch.block_diag(*lam) @ (Kxx - Q))
     theta = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
