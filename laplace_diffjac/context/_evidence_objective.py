@@ -141,6 +141,7 @@ def evidence_loss_backward(
     wants_z = any(t is locations for t in inputs)
     (-bound).backward(retain_graph=wants_z, inputs=[B, *inputs])
     if wants_z:
+        assert B.grad is not None
         grad_B = B.grad.detach()
         MC = grad_B.shape[0]
         for xb, _ in xy_batches(data, batch_size):

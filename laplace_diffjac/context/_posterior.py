@@ -27,21 +27,20 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..backends import BackendSpec, DiffBackPackGGN, as_backend
 from ..kernels import PriorPrecision, flat_gram, jacobians
-from ._data import Data
+from ._data import Data, collect
 from ._evidence import dtc_factor
 from ._hyperparameters import PriorGroups, infer_structure
 from ._laplace_api import LaplaceInterface, layer_sizes
-from ._predictive import gaussian_samples, laplace_bridge, probit
+from ._predictive import gaussian_samples, link_probabilities
 from ._state import Accumulators
 from ._training_data import check_inputs, xy_batches
 
 __all__ = ["ContextPosterior"]
-
-_LINKS = ("probit", "mc", "bridge", "bridge_norm")
 
 
 class ContextPosterior(LaplaceInterface):
@@ -79,10 +78,9 @@ class ContextPosterior(LaplaceInterface):
         Prior mean ``μ₀`` (scalar or ``(P,)``); enters the evidence only.
     prior_structure : {'scalar', 'layerwise', 'diag'}, optional
         Which prior precisions may be set after ``fit`` without a new pass over
-        the data (default: that of ``prior_precision``). ``'scalar'``: any scalar
-        (the kernel is rescaled). ``'layerwise'``: any scalar or layerwise one
-        (``fit`` keeps ``n_layers²`` blocks of ``(MC)²``). ``'diag'``: only the
-        value at ``fit``; another one raises until ``fit`` is called again.
+        the data (default: that of ``prior_precision``); see
+        :mod:`~laplace_diffjac.context._hyperparameters`. ``'layerwise'`` keeps
+        ``n_layers²`` blocks of ``(MC)²``.
 
     Raises
     ------
@@ -160,12 +158,8 @@ class ContextPosterior(LaplaceInterface):
             for tensors; for a loader the posterior is left as it was).
 
         """
-        if isinstance(train_loader, (torch.Tensor, tuple, list)):
-            x = (
-                train_loader
-                if isinstance(train_loader, torch.Tensor)
-                else train_loader[0]
-            )
+        if not isinstance(train_loader, DataLoader):  # all inputs at once, up front
+            x, _ = collect(train_loader)
             check_inputs(x, "train_loader", self._dtype, self.locations.shape[1:])
         prec = self.prior_precision.detach()
         structure = infer_structure(self._structure_request, prec, self.n_layers)
@@ -222,9 +216,7 @@ class ContextPosterior(LaplaceInterface):
                 Js, f = self._jacobians(xb.to(self._device), enable_backprop=False)
             acc.add(Js, f, yb, groups, self.likelihood)
 
-    def _jacobians(
-        self, x: torch.Tensor, enable_backprop: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _jacobians(self, x: torch.Tensor, enable_backprop: bool) -> tuple:
         if getattr(self.backend, "last_layer", False):
             return self.backend.last_layer_jacobians(x, enable_backprop=enable_backprop)
         return self.backend.jacobians(x, enable_backprop=enable_backprop)
@@ -360,22 +352,15 @@ class ContextPosterior(LaplaceInterface):
         """
         if pred_type not in ("glm", "gp"):
             raise ValueError(f"pred_type must be 'glm' or 'gp', got {pred_type!r}.")
-        if link_approx not in _LINKS:
-            raise ValueError(f"Unsupported link approximation {link_approx!r}.")
         regression = self.likelihood == "regression"
         f_mu, f_var = self._glm_predictive_distribution(x, joint=joint and regression)
         if regression:
             if diagonal_output and not joint:
                 f_var = f_var.diagonal(dim1=-2, dim2=-1)
             return f_mu, f_var
-        if link_approx == "mc":
-            samples = gaussian_samples(
-                f_mu, f_var, n_samples, diagonal_output, generator
-            )
-            return samples.softmax(dim=-1).mean(dim=0)
-        if link_approx == "probit":
-            return probit(f_mu, f_var)
-        return laplace_bridge(f_mu, f_var, normalise=link_approx == "bridge_norm")
+        return link_probabilities(
+            f_mu, f_var, link_approx, n_samples, diagonal_output, generator
+        )
 
     def predictive_samples(
         self,

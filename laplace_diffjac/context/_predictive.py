@@ -6,7 +6,9 @@ import math
 
 import torch
 
-__all__ = ["gaussian_samples", "laplace_bridge", "probit"]
+__all__ = ["gaussian_samples", "laplace_bridge", "link_probabilities", "probit"]
+
+LINKS = ("probit", "mc", "bridge", "bridge_norm")
 
 
 def gaussian_samples(
@@ -80,3 +82,49 @@ def laplace_bridge(
     sum_exp = torch.exp(-f_mu).sum(dim=1).unsqueeze(-1)
     alpha = (1 - 2 / K + f_mu.exp() / K**2 * sum_exp) / f_var_diag
     return torch.nan_to_num(alpha / alpha.sum(dim=1).unsqueeze(-1), nan=1.0)
+
+
+def link_probabilities(
+    f_mu: torch.Tensor,
+    f_var: torch.Tensor,
+    link_approx: str,
+    n_samples: int,
+    diagonal_output: bool,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Class probabilities ``(B*, C)`` under a laplace-torch link approximation.
+
+    Parameters
+    ----------
+    f_mu : torch.Tensor
+        ``(B*, C)`` latent mean.
+    f_var : torch.Tensor
+        ``(B*, C, C)`` latent covariance.
+    link_approx : {'probit', 'mc', 'bridge', 'bridge_norm'}
+        The approximation.
+    n_samples : int
+        Samples for ``'mc'``.
+    diagonal_output : bool
+        ``'mc'``: sample with a diagonal covariance.
+    generator : torch.Generator or None
+        ``'mc'``: random generator.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B*, C)``.
+
+    Raises
+    ------
+    ValueError
+        For another ``link_approx``.
+
+    """
+    if link_approx not in LINKS:
+        raise ValueError(f"link_approx must be one of {LINKS}, got {link_approx!r}.")
+    if link_approx == "mc":
+        samples = gaussian_samples(f_mu, f_var, n_samples, diagonal_output, generator)
+        return samples.softmax(dim=-1).mean(dim=0)
+    if link_approx == "probit":
+        return probit(f_mu, f_var)
+    return laplace_bridge(f_mu, f_var, normalise=link_approx == "bridge_norm")

@@ -51,7 +51,7 @@ def xy_batches(
                 f"x has {len(data[0])} rows but y has {len(data[1])}; pass matching "
                 "inputs and targets."
             )
-        ys = [None] * len(range(0, len(data[0]), batch_size))
+        ys: list[torch.Tensor | None] = [None] * len(range(0, len(data[0]), batch_size))
         if data[1] is not None:
             ys = list(torch.split(data[1], batch_size))
         yield from zip(torch.split(data[0], batch_size), ys)

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 if TYPE_CHECKING:
-    from ._posterior import ContextPosterior
+    from ._laplace_api import LaplaceInterface as ContextPosterior
 
 __all__ = ["gridsearch", "marglik"]
 
@@ -88,7 +88,7 @@ def marglik(
 
 
 def _validate(
-    la: ContextPosterior,
+    la: Any,
     val_loader: DataLoader,
     loss: Any,
     pred_type: str,
