@@ -5,9 +5,11 @@ Nyström gap (``nystrom_gap``), starting from a random subset or k-means
 (``random_subset``, ``kmeans``). ``ContextPosterior`` is the DTC linearised-Laplace
 posterior that sees all ``N`` training points through the locations;
 ``LocationFunctionalLaplace`` is laplace-torch's ``FunctionalLaplace`` on given
-locations.
+locations. ``evidence_loss_backward`` is the posterior's evidence bound as an
+objective in the locations and the hyperparameters (exact full-data gradient).
 """
 
+from ._evidence_objective import evidence_loss_backward
 from ._functional_laplace import (
     LocationFunctionalLaplace,
     functional_laplace_on_locations,
@@ -24,6 +26,7 @@ __all__ = [
     "LocationHistory",
     "LocationResult",
     "LocationSettings",
+    "evidence_loss_backward",
     "functional_laplace_on_locations",
     "initial_locations",
     "kmeans",

@@ -38,6 +38,7 @@ from laplace.curvature import BackPackGGN, BackPackInterface, CurvlinopsGGN
 
 from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from ._backend_args import wrap_init
+from ._factory import factory_patches
 from ._patching import AttributePatch, SharedPatches
 
 #: Backends that leave no hooks, attributes or gradients on the model.
@@ -109,6 +110,9 @@ def _make_patches() -> list[AttributePatch]:
                 _side_effect_aware(uses_backpack),
             )
         )
+    patches.extend(
+        factory_patches()
+    )  # Laplace(..., functional_approximation="context")
     return patches
 
 
