@@ -5,7 +5,7 @@ Nothing here imports ``laplace_diffjac``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -13,26 +13,52 @@ from torch.func import functional_call, jacrev, vmap
 
 
 def reference_jacobians(
-    model: nn.Module, x: torch.Tensor, params: Sequence[torch.Tensor] | None = None
+    model: nn.Module,
+    x: torch.Tensor | Mapping[str, torch.Tensor],
+    params: Sequence[torch.Tensor] | None = None,
+    *,
+    loop: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample ``vmap(jacrev(functional_call))``: ``(batch, C, P)``, ``(batch, C)``.
 
     Differentiable with respect to ``x`` and the parameters by ordinary autograd.
+    ``x`` may be a dict of tensors sharing the batch dimension (the model is
+    called with a dict). With ``loop=True`` the samples are taken one at a time in
+    a Python loop instead of ``vmap`` (for modules without batching rules, such as
+    ``nn.LSTM``).
     """
     chosen = list(model.parameters()) if params is None else list(params)
     ids = {id(p) for p in chosen}
     named = {n: p for n, p in model.named_parameters() if id(p) in ids}
 
     def single(p, xi):
-        out = functional_call(model, p, (xi.unsqueeze(0),), strict=False)
+        xi = {k: v.unsqueeze(0) for k, v in xi.items()} if _is_map(xi) else xi[None]
+        out = functional_call(model, p, (xi,), strict=False)
         return out.reshape(-1)
 
     def jac_and_out(p, xi):
         return jacrev(lambda q: (single(q, xi), single(q, xi)), has_aux=True)(p)
 
-    jac, f = vmap(jac_and_out, in_dims=(None, 0))(named, x)
+    if loop:
+        n = len(next(iter(x.values()))) if _is_map(x) else len(x)
+        rows = [jac_and_out(named, _sample(x, i)) for i in range(n)]
+        jac = {k: torch.stack([r[0][k] for r in rows]) for k in named}
+        f = torch.stack([r[1] for r in rows])
+    else:
+        jac, f = vmap(jac_and_out, in_dims=(None, 0))(named, x)
     Js = torch.cat([j.flatten(start_dim=2) for j in jac.values()], dim=2)
     return Js, f
+
+
+def _is_map(x: object) -> bool:
+    return isinstance(x, Mapping)
+
+
+def _sample(x, i: int):
+    """Sample ``i`` of a tensor or dict batch, without its batch dimension."""
+    if _is_map(x):
+        return {k: v[i] for k, v in x.items()}
+    return x[i]
 
 
 def model_state(model: nn.Module) -> dict:
