@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ._assembly import assemble
 from ._derivatives import owning_modules, param_jacobian_factors
@@ -77,7 +78,8 @@ def parameter_jacobians(
     batch = batch_size(x)
     x_in = x if enable_backprop else detached(x)
     with preserved_state(model), torch.enable_grad():
-        with recorded_calls(modules) as calls:
+        with recorded_calls(modules) as calls, sdpa_kernel([SDPBackend.MATH]):
+            # the composite attention kernel: batched and double backward work
             f = check_model_output(model(x_in), batch)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
         signals = _output_signals(f2, selected_outputs)
