@@ -12,7 +12,8 @@ attributes (``input0``, ``output``) on the module only for the duration of one c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Optional
 
 import torch
 from backpack.core.derivatives.basederivatives import BaseParameterDerivatives
@@ -28,8 +29,22 @@ from backpack.core.derivatives.linear import LinearDerivatives
 from torch import nn
 
 from ..errors import UnsupportedModuleError
+from . import _rules_attention, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
 from ._layer_calls import LayerCall
+from ._rules_norm import group_norm_factors, layer_norm_factors
+
+Signals = tuple[Optional[torch.Tensor], ...]
+Rule = Callable[[LayerCall, Signals, set[int]], list[tuple[int, Factors]]]
+
+#: Module types with a rule of their own (closed form, or BPTT for recurrent
+#: layers); a ``MultiheadAttention`` also owns its ``out_proj`` parameters.
+RULES: dict[type[nn.Module], Rule] = {
+    nn.LayerNorm: layer_norm_factors,
+    nn.GroupNorm: group_norm_factors,
+    nn.MultiheadAttention: _rules_attention.attention_factors,
+    **{t: _rules_recurrent.recurrent_factors for t in _rules_recurrent.RECURRENT},
+}
 
 
 class _EmbeddingDerivatives(EmbeddingDerivatives):
@@ -96,28 +111,24 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
     owners: list[nn.Module] = []
     found: set[int] = set()
     unsupported: list[str] = []
+    composite: list[str] = []  # prefixes of modules whose rule owns submodules
     for name, module in root.named_modules():
-        own = [p for p in module.parameters(recurse=False) if id(p) in wanted]
+        if any(name.startswith(prefix) for prefix in composite):
+            continue
+        recurse = isinstance(module, nn.MultiheadAttention)
+        own = [p for p in module.parameters(recurse=recurse) if id(p) in wanted]
         if not own:
             continue
+        if recurse:
+            composite.append(f"{name}." if name else "")
         found.update(id(p) for p in own)
-        if type(module) not in DERIVATIVES:
-            unsupported.append(f"{name or '<root>'} ({type(module).__name__})")
-            continue
-        if isinstance(module, _BATCHNORM) and module.training:
-            raise UnsupportedModuleError(
-                f"BatchNorm layer '{name}' is in training mode, where per-sample "
-                "Jacobians are not defined (the batch statistics couple the samples). "
-                "Call model.eval() first."
-            )
-        if isinstance(module, nn.Embedding) and (
-            module.padding_idx is not None or module.max_norm is not None
-        ):
-            unsupported.append(f"{name} (Embedding with padding_idx or max_norm)")
+        reason = _refusal(module, name)
+        if reason is not None:
+            unsupported.append(f"{name or '<root>'} ({reason})")
             continue
         owners.append(module)
     if unsupported:
-        supported = ", ".join(sorted(t.__name__ for t in DERIVATIVES))
+        supported = ", ".join(sorted(t.__name__ for t in (*DERIVATIVES, *RULES)))
         raise UnsupportedModuleError(
             "The BackPACK backend has no per-sample Jacobian rule for the "
             f"parameterised module(s) {', '.join(unsupported)}. Supported: "
@@ -133,25 +144,49 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
     return owners
 
 
+def _refusal(module: nn.Module, name: str) -> str | None:
+    """Why ``module`` has no rule (``None`` if it has one); raise for BatchNorm."""
+    kind = type(module)
+    if kind not in DERIVATIVES and kind not in RULES:
+        return kind.__name__
+    if isinstance(module, _BATCHNORM) and module.training:
+        raise UnsupportedModuleError(
+            f"BatchNorm layer '{name}' is in training mode, where per-sample "
+            "Jacobians are not defined (the batch statistics couple the samples). "
+            "Call model.eval() first."
+        )
+    if isinstance(module, nn.Embedding) and (
+        module.padding_idx is not None or module.max_norm is not None
+    ):
+        return "Embedding with padding_idx or max_norm"
+    if isinstance(module, nn.MultiheadAttention):
+        return _rules_attention.unsupported_reason(module)
+    if isinstance(module, _rules_recurrent.RECURRENT):
+        return _rules_recurrent.unsupported_reason(module)
+    return None
+
+
 def param_jacobian_factors(
     calls: Iterable[LayerCall],
-    output_grads: Sequence[torch.Tensor | None],
+    output_grads: Sequence[Signals],
     params: Sequence[torch.Tensor],
 ) -> dict[int, list[Factors]]:
     """Map batched output signals of each module call to Jacobian factors.
 
     ``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding) give closed-form
     factors that :func:`.jacobian_blocks.assemble` writes straight into the final
-    Jacobian; every other module gives a block from BackPACK's ``param_mjp``.
+    Jacobian, and so do the types in :data:`RULES` (norms, attention, recurrent
+    layers); every other module gives a block from BackPACK's ``param_mjp``.
 
     Parameters
     ----------
     calls : iterable of LayerCall
         Recorded module calls.
-    output_grads : sequence of torch.Tensor or None
-        For each call, ``(V, batch, *output_shape)``: the gradient of each of V
-        scalar-per-sample functions with respect to the call's output; ``None``
-        where the output does not influence them.
+    output_grads : sequence of tuple of (torch.Tensor or None)
+        For each call, one entry per tensor it returned (``LayerCall.outputs``),
+        ``(V, *output_shape)``: the gradient of each of V scalar-per-sample
+        functions with respect to that output; ``None`` where the output does not
+        influence them.
     params : sequence of torch.Tensor
         Parameters of interest; others owned by the modules are skipped.
 
@@ -165,10 +200,16 @@ def param_jacobian_factors(
     """
     wanted = {id(p) for p in params}
     result: dict[int, list[Factors]] = {}
-    for call, grad in zip(calls, output_grads):
-        if grad is None:
+    for call, grads in zip(calls, output_grads):
+        if all(g is None for g in grads):
             continue
-        if type(call.module) is nn.Linear:
+        rule = RULES.get(type(call.module))
+        grad = grads[0]
+        if rule is not None:
+            blocks = rule(call, grads, wanted)
+        elif grad is None:
+            continue
+        elif type(call.module) is nn.Linear:
             blocks = _linear_factors(call, grad, wanted)
         elif _has_closed_form_conv2d(call.module):
             blocks = _conv2d_factors(call, grad, wanted)

@@ -20,11 +20,38 @@ BACKPACK_BACKENDS = [DiffBackPackGGN, DiffBackPackEF]
 
 
 @pytest.mark.parametrize("backend_cls", BACKPACK_BACKENDS, ids=lambda c: c.__name__)
-def test_dict_input_points_to_functorch_backend(backend_cls):
+def test_dict_input_to_backpack_extensions_points_to_functorch_backend(backend_cls):
+    """diag/kron run BackPACK's own extensions, which take tensors only."""
     model = kron_friendly_mlp()
     before = model_state(model)
+    x = {"x": torch.zeros(2, 3, dtype=torch.float64)}
     with pytest.raises(InvalidInputError, match="DiffFuncGGN"):
-        backend_cls(model, "regression").jacobians({"x": torch.zeros(2, 3)})
+        backend_cls(model, "regression").diag(x, torch.zeros(2, 3))
+    assert_same_state(before, model_state(model))
+
+
+BAD_DICT_INPUTS = {
+    "no tensors": ({"ids": [1, 2]}, "holds no tensors"),
+    "empty batch": ({"ids": torch.zeros(0, 3, dtype=torch.long)}, "empty batch"),
+    "disagreeing batch sizes": (
+        {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)},
+        "disagree on the batch size",
+    ),
+    "scalar": ({"ids": torch.tensor(1)}, "scalars"),
+    "wrong dtype": ({"x": torch.zeros(2, 3, dtype=torch.float32)}, r"x\['x'\].to"),
+    "wrong device": ({"x": torch.zeros(2, 3, device="meta")}, r"x\['x'\].to"),
+}
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("what", list(BAD_DICT_INPUTS))
+def test_bad_dict_inputs_are_named(backend_cls, what):
+    x, message = BAD_DICT_INPUTS[what]
+    model = kron_friendly_mlp()
+    before = model_state(model)
+    backend = backend_cls(model, "classification")
+    with pytest.raises(InvalidInputError, match=message):
+        backend.jacobians(x, enable_backprop=True)
     assert_same_state(before, model_state(model))
 
 
