@@ -58,13 +58,15 @@ class _Installation:
     def acquire(self) -> None:
         with self._lock:
             if self._users == 0:
+                # The adapter also wraps BaseLaplace.__init__: install it first so
+                # that this patch sits on top and is reverted before it.
+                self._registered_here = adapter.register()
                 init = vars(BaseLaplace)["__init__"]
                 patch = AttributePatch(
                     BaseLaplace, "__init__", wrap_init(init, _replacing_policy)
                 )
                 patch.apply()
                 self._patch = patch
-                self._registered_here = adapter.register()
             self._users += 1
 
     def release(self) -> None:
