@@ -19,8 +19,12 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from ..errors import UnsupportedModuleError
-from ..jacobians._inputs import check_mapping_or_tensor_batch, check_model_output
+from ..jacobians._inputs import (
+    check_mapping_or_tensor_batch,
+    check_model_output,
+)
 from ..jacobians._last_layer import last_layer_jacobians
+from ._kfac import check_kfac_support, kfac_factors
 
 
 class DiffFuncGGN(GGNInterface):
@@ -163,19 +167,74 @@ class DiffFuncGGN(GGNInterface):
     def kron(
         self, x: Any, y: torch.Tensor, N: int, **kwargs: Any
     ) -> tuple[torch.Tensor, Kron]:
-        """Not available: ``torch.func`` has no Kronecker-factored curvature.
+        """Kronecker-factored GGN (or MC Fisher) on one batch, via curvlinops' KFAC.
+
+        The factors follow ``BackPackGGN.kron``: ``[G, A]`` per weight and ``[G]``
+        per bias of every ``nn.Linear``/``nn.Conv2d`` with trainable parameters
+        (frozen ones are left out), ``A`` rescaled by ``len(y) / N`` and all
+        multiplied by ``factor``.
+
+        Parameters
+        ----------
+        x : torch.Tensor or mapping
+            Input batch ``(batch, *input_shape)``, or a mapping of such tensors.
+        y : torch.Tensor
+            Targets.
+        N : int
+            Size of the whole data set, to rescale the factors.
+        **kwargs
+            Ignored (laplace-torch's signature).
+
+        Returns
+        -------
+        loss : torch.Tensor
+            ``factor * loss``.
+        H : laplace.utils.Kron
+            Kronecker factors per trainable parameter.
 
         Raises
         ------
-        NotImplementedError
-            Always, naming the backends that offer it.
+        InvalidInputError
+            If ``x`` is not a valid batch.
+        UnsupportedModuleError
+            If a trainable parameter belongs to a module other than ``nn.Linear``
+            or ``nn.Conv2d``, or if subnetwork indices are set.
 
         """
-        raise NotImplementedError(
-            "DiffFuncGGN has no Kronecker-factored curvature: torch.func offers no "
-            "KFAC route. Use hessian_structure='diag' or 'full' with DiffFuncGGN, "
-            "or DiffBackPackGGN for 'kron' (BackPACK-supported models)."
+        if self.subnetwork_indices is not None:
+            raise UnsupportedModuleError(
+                "Kronecker factors are not defined for a subnetwork; use "
+                "hessian_structure='full' or 'diag' with SubnetLaplace."
+            )
+        check_mapping_or_tensor_batch(x, self.model, type(self).__name__)
+        check_kfac_support(self.model, self.params)
+        stochastic = bool(getattr(self, "stochastic", False))
+        flatten = self.likelihood != "regression"
+        model = _FlatOutputs(self.model) if flatten else self.model
+        targets = y.reshape(-1) if flatten else y
+        loss, kron = kfac_factors(
+            model, self.lossfunc, self.params, x, targets, stochastic=stochastic
         )
+        for block in kron.kfacs:
+            if len(block) == 2:
+                block[1] *= len(y) / N
+        return self.factor * loss, self.factor * kron
+
+
+class _FlatOutputs(nn.Module):
+    """``model`` with outputs reshaped to ``(-1, C)``.
+
+    laplace-torch's BackPACK backends flatten classification outputs (for instance
+    sequence logits) the same way.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Any) -> torch.Tensor:
+        f = self.model(x)
+        return f.reshape(-1, f.shape[-1])
 
 
 def _check_no_backward_hooks(model: nn.Module) -> None:

@@ -87,6 +87,15 @@ def run_extension(
             try:
                 with backpack(extension):
                     torch.autograd.grad(loss, inputs, allow_unused=True)
+            except AssertionError as err:
+                # BackPACK's second-order extensions backpropagate one quantity
+                # through a chain of modules; a branch (a residual or LoRA sum)
+                # leaves a module without one.
+                raise UnsupportedModuleError(
+                    f"BackPACK's {type(extension).__name__} needs a sequential model; "
+                    f"this one branches ({err}). Jacobians, gradients and 'full' "
+                    "still work; for 'diag'/'kron' use laplace_diffjac.DiffFuncGGN."
+                ) from err
             except NotImplementedError as err:
                 raise UnsupportedModuleError(
                     f"BackPACK's {type(extension).__name__} does not support a module "
@@ -110,7 +119,11 @@ def _private_backpack_hooks(roots: Sequence[nn.Module]) -> Iterator[None]:
     try:
         for root in roots:
             for module in root.modules():
-                if is_no_op(module) or _has_backpack_hooks(module):
+                if (
+                    is_no_op(module)
+                    or _is_container(module)
+                    or _has_backpack_hooks(module)
+                ):
                     continue
                 handles.append(module.register_forward_hook(hook_store_io))
                 handles.append(module.register_full_backward_hook(hook_run_extensions))
@@ -118,6 +131,16 @@ def _private_backpack_hooks(roots: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _is_container(module: nn.Module) -> bool:
+    """A module that only calls children and owns no parameter (a custom block).
+
+    Its children carry the hooks; on the container itself BackPACK would find no
+    extension and warn about the children's parameters.
+    """
+    has_children = next(module.children(), None) is not None
+    return has_children and next(module.parameters(recurse=False), None) is None
 
 
 def _has_backpack_hooks(module: nn.Module) -> bool:

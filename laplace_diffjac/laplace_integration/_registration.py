@@ -1,6 +1,6 @@
 """Make every laplace-torch estimator accept this package's backends.
 
-laplace-torch restricts backends in two ways that matter here:
+laplace-torch restricts backends in three ways that matter here:
 
 * ``FunctionalLaplace.__init__`` (hence ``FunctionalLLLaplace`` and
   ``Laplace(..., hessian_structure='gp')``) runs
@@ -11,17 +11,26 @@ laplace-torch restricts backends in two ways that matter here:
   ``torch.func`` because BackPACK extends modules in place. The
   ``DiffBackPack*`` backends are BackPACK subclasses that never do, so for them
   the property is ``False``.
+* ``BaseLaplace.__init__`` raises "If some grad are switched off, the BackPACK and
+  Asdfghjkl backends are not supported" when some parameters have
+  ``requires_grad=False`` (0.3: ``issubclass(backend, (BackPackInterface,
+  AsdfghjklInterface))``; 0.2.3: ``"backpack" in backend.__name__.lower()``, which
+  also catches ``DiffBackPackGGN``). BackPACK's ``extend`` would see the frozen
+  parameters; this package's backends take Jacobians and curvature over
+  ``backend.params`` only, so for them the check is skipped: the constructor is
+  handed ``CurvlinopsGGN`` (which it only stores) and ours is installed as
+  ``_backend_cls`` before any subclass code reads it.
 
-:func:`register` replaces exactly these two class attributes (the second only where
-it exists) and :func:`unregister` puts the originals back. Everything else is left
+:func:`register` replaces exactly these class attributes (the second only where it
+exists) and :func:`unregister` puts the originals back. Everything else is left
 as laplace-torch has it, on purpose:
 
 * the checks that refuse dict-like inputs for BackPACK backends (by class name in
   ``fit``) also apply to ``DiffBackPackGGN``/``DiffBackPackEF``, which take tensor
   batches only (they raise :class:`~laplace_diffjac.errors.InvalidInputError`, a
   ``ValueError``, themselves); ``DiffFuncGGN`` takes dict-like inputs;
-* the refusal of BackPACK backends when some parameters have
-  ``requires_grad=False`` is kept for ``DiffBackPack*``;
+* the refusal of frozen parameters is kept for laplace-torch's own BackPACK and
+  ASDL backends;
 * ``FunctionalLaplace`` stays a GGN method: ``DiffBackPackEF`` is rejected there
   exactly as ``BackPackEF`` is.
 
@@ -33,8 +42,8 @@ from __future__ import annotations
 from typing import Any
 
 from laplace import baselaplace
-from laplace.baselaplace import FunctionalLaplace
-from laplace.curvature import BackPackGGN, BackPackInterface, CurvlinopsGGN
+from laplace.baselaplace import BaseLaplace, FunctionalLaplace
+from laplace.curvature import CurvlinopsGGN
 
 from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from ._backend_args import wrap_init
@@ -71,9 +80,10 @@ def is_side_effect_free(backend: Any) -> bool:
 def _functional_policy(backend: Any) -> tuple[Any, Any | None]:
     """Let ``FunctionalLaplace`` take our GGN backends past its allow-list.
 
-    The constructor is given the laplace-torch class ours stands for (same
-    constructor-time checks: BackPACK's for ``DiffBackPackGGN``, none for
-    ``DiffFuncGGN``), and ours is installed once it returns.
+    The constructor is given ``CurvlinopsGGN``, which its allow-list accepts and
+    whose only other use there is the frozen-parameter check that
+    :func:`_frozen_parameters_policy` lifts for ours; ours is installed once it
+    returns.
 
     Parameters
     ----------
@@ -89,16 +99,30 @@ def _functional_policy(backend: Any) -> tuple[Any, Any | None]:
     """
     if not (isinstance(backend, type) and issubclass(backend, FUNCTIONAL_BACKENDS)):
         return backend, None
-    stand_in = BackPackGGN if issubclass(backend, BackPackInterface) else CurvlinopsGGN
-    return stand_in, backend
+    return CurvlinopsGGN, backend
+
+
+def _frozen_parameters_policy(backend: Any) -> tuple[Any, Any | None]:
+    """Let ``BaseLaplace.__init__`` take our backends when parameters are frozen.
+
+    ``BaseLaplace.__init__`` uses ``backend`` for that check and to store it; it is
+    given ``CurvlinopsGGN`` and ours is stored as ``_backend_cls`` once it returns.
+    """
+    if is_side_effect_free(backend):
+        return CurvlinopsGGN, backend
+    return backend, None
 
 
 def _make_patches() -> list[AttributePatch]:
+    base_init = vars(BaseLaplace)["__init__"]
     init = vars(FunctionalLaplace)["__init__"]
     patches = [
         AttributePatch(
+            BaseLaplace, "__init__", wrap_init(base_init, _frozen_parameters_policy)
+        ),
+        AttributePatch(
             FunctionalLaplace, "__init__", wrap_init(init, _functional_policy)
-        )
+        ),
     ]
     base = getattr(baselaplace, "BaseFunctionalLaplace", None)  # laplace-torch >= 0.3
     uses_backpack = None if base is None else vars(base).get("_uses_backpack_backend")
@@ -110,9 +134,8 @@ def _make_patches() -> list[AttributePatch]:
                 _side_effect_aware(uses_backpack),
             )
         )
-    patches.extend(
-        factory_patches()
-    )  # Laplace(..., functional_approximation="context")
+    # Laplace(..., functional_approximation="context") builds a ContextPosterior.
+    patches.extend(factory_patches())
     return patches
 
 
@@ -153,6 +176,13 @@ def unregister() -> bool:
     -------
     bool
         ``True`` if this call removed the adapter, ``False`` if it was not installed.
+
+    Raises
+    ------
+    RuntimeError
+        If a patch made after :func:`register` (an active
+        :func:`~laplace_diffjac.patch_laplace`) still wraps the same constructor;
+        nothing is changed then.
 
     """
     return _REGISTRATION.release()

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from laplace import FunctionalLaplace, FunctionalLLLaplace
-from laplace.curvature import BackPackEF
+from laplace.curvature import BackPackEF, BackPackGGN
 
 from laplace_diffjac import DiffBackPackEF, DiffFuncGGN
 from tests.conftest import ON_LAPLACE_03
@@ -103,18 +103,19 @@ def test_empirical_fisher_is_refused_as_upstream(ef):
         FunctionalLaplace(base_model(2), "regression", n_subset=4, backend=ef)
 
 
-def test_frozen_parameters_refused_for_backpack_as_upstream():
-    """The BackPACK requires-grad restriction is kept for DiffBackPackGGN."""
+def test_frozen_parameters_accepted_for_ours_only():
+    """The requires-grad refusal is lifted for our backends, kept for BackPACK's."""
     from laplace_diffjac import DiffBackPackGGN
 
     model = base_model(2)
     model[0].weight.requires_grad_(False)
     with pytest.raises(ValueError, match="grad are switched off"):
-        FunctionalLaplace(model, "regression", n_subset=4, backend=DiffBackPackGGN)
-    la = FunctionalLaplace(
-        copy.deepcopy(model), "regression", n_subset=4, backend=DiffFuncGGN
-    )
-    assert la._backend_cls is DiffFuncGGN
+        FunctionalLaplace(model, "regression", n_subset=4, backend=BackPackGGN)
+    for backend in (DiffBackPackGGN, DiffFuncGGN):
+        la = FunctionalLaplace(
+            copy.deepcopy(model), "regression", n_subset=4, backend=backend
+        )
+        assert la._backend_cls is backend
 
 
 @likelihoods

@@ -33,7 +33,10 @@ BASE_FUNCTIONAL = getattr(baselaplace, "BaseFunctionalLaplace", None)
 
 
 def _patched_entries() -> dict[str, object]:
-    entries = {"FunctionalLaplace.__init__": vars(FunctionalLaplace)["__init__"]}
+    entries = {
+        "BaseLaplace.__init__": vars(baselaplace.BaseLaplace)["__init__"],
+        "FunctionalLaplace.__init__": vars(FunctionalLaplace)["__init__"],
+    }
     if BASE_FUNCTIONAL is not None:
         entries["_uses_backpack_backend"] = vars(BASE_FUNCTIONAL)[
             "_uses_backpack_backend"
@@ -108,6 +111,19 @@ class Renamed(DiffFuncGGN):
 
 class BackPackLookalike(CurvlinopsGGN):
     """Named like BackPACK, but it is not one of ours (nor BackPACK)."""
+
+
+def test_unregister_refuses_while_patched_on_top():
+    from laplace_diffjac import patch_laplace
+
+    patched = _patched_entries()
+    with patch_laplace():
+        with pytest.raises(RuntimeError, match="patched again"):
+            unregister()
+        assert is_registered()
+    assert is_registered()
+    for key, value in _patched_entries().items():
+        assert value is patched[key], key
 
 
 def test_decisions_follow_type_not_name():
