@@ -98,6 +98,7 @@ def build_context(split: Split, seed: int, config: TrainConfig) -> SeedContext:
     start = time.perf_counter()
     full = FullReference(model, split.task, loader, sigma_noise=sigma)
     times["full_fit"] = time.perf_counter() - start
+    times["full_laplace_fit"], times["full_eigh"] = full.fit_s, full.eigh_s
     backend = DiffBackPackGGN(model, split.task)
     jac = {}
     for key, x in (("val", split.x_val), ("test", split.x_test)):

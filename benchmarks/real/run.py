@@ -27,7 +27,7 @@ QUICK = {
     "fractions": [0.05, 0.2],
     "steps": 5,
     "valla_iterations": 5,
-    "epochs": 30,
+    "epochs": 200,
     "width": 8,
     "grid": [0.1, 1.0, 10.0],
 }

@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -22,7 +22,12 @@ __all__ = ["run_study", "run_task"]
 
 
 def run_task(
-    name: str, seed: int, config: StudyConfig, train: TrainConfig, raw_dir: str
+    name: str,
+    seed: int,
+    config: StudyConfig,
+    train: TrainConfig,
+    raw_dir: str,
+    on_method: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """All rows of one (data set, seed), written to ``raw_dir/name_seed.json``.
 
@@ -38,6 +43,8 @@ def run_task(
         MAP training.
     raw_dir : str
         Folder for the per-task JSON.
+    on_method : callable, optional
+        Progress callback, called with a label after each step.
 
     Returns
     -------
@@ -48,7 +55,9 @@ def run_task(
     start = time.perf_counter()
     split = load_split(name, seed)
     ctx = build_context(split, seed, train)
-    rows = evaluate_seed(ctx, config)
+    if on_method is not None:
+        on_method(f"{name} seed {seed}: network and full Laplace ready")
+    rows = evaluate_seed(ctx, config, on_method)
     for row in rows:
         row.update(dataset=name, seed=seed, task=split.task)
         row.setdefault("train_s", ctx.times["train"])
@@ -109,7 +118,7 @@ def run_study(
     if workers <= 1:
         for a in args:
             bar.set_postfix_str(f"{a[0]} seed {a[1]}")
-            run_task(*a)
+            run_task(*a, on_method=bar.set_postfix_str)
             bar.update()
     else:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
