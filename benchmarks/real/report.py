@@ -117,6 +117,16 @@ def _detail_table(aggs: list[dict], task: str) -> list[str]:
     return lines
 
 
+def _run_line(metas: list[dict]) -> str:
+    wall = _mean_std([m["total_s"] for m in metas])[0]
+    cpu = [m["cpu_s"] for m in metas if "cpu_s" in m]
+    cpu_text = f", {_mean_std(cpu)[0]:.0f} s CPU" if cpu else ""
+    return (
+        f"N_train = {metas[0]['n_train']}, P = {metas[0]['n_params']}; "
+        f"per seed {wall:.0f} s wall{cpu_text} (mean over seeds)."
+    )
+
+
 def _plot(ds: str, aggs: list[dict], fractions: list[float], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     xs = [100 * f for f in fractions]
@@ -156,6 +166,8 @@ def _plot(ds: str, aggs: list[dict], fractions: list[float], path: Path) -> None
             )
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.minorticks_off()
     ax.set_xlabel("M (% of N_train)")
     ax.set_ylabel("test NLPD")
     ax.set_title(ds)
@@ -210,6 +222,8 @@ def write_report(records: list[dict], out: Path, command: str) -> dict[str, Any]
             f"## {ds} ({task}; seeds {seeds})",
             "",
             f"Source: {DATASETS[ds].source}. Licence: {DATASETS[ds].licence}.",
+            "",
+            _run_line([r["meta"] for r in records if r["meta"]["dataset"] == ds]),
             "",
             "### Test NLPD",
             "",

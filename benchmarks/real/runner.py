@@ -52,7 +52,7 @@ def run_task(
 
     """
     torch.set_num_threads(1)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     split = load_split(name, seed)
     ctx = build_context(split, seed, train)
     if on_method is not None:
@@ -69,6 +69,7 @@ def run_task(
         "sigma_noise": ctx.sigma_noise,
         "times": ctx.times,
         "total_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu,  # one thread: the unshared wall time
     }
     Path(raw_dir, f"{name}_{seed}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1)
