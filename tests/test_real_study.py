@@ -282,3 +282,13 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
             assert 0 <= r["ece"] <= 1 and 0 <= r["accuracy"] <= 1
     md = (tmp_path / "RESULTS.md").read_text()
     assert "## wine" in md and "## diabetes" in md and "val-grid" in md
+
+
+def test_ella_and_valla_rows_exactly_when_laplace_torch_has_them() -> None:
+    from laplace import baselaplace
+
+    from benchmarks.real.methods import METHODS
+
+    has = hasattr(baselaplace, "ELLA")
+    assert ("ELLA" in METHODS) == has and ("VaLLA" in METHODS) == has
+    assert {"GP-subset", "CP (optimised)", "LFL full-Λ (optimised)"} <= set(METHODS)

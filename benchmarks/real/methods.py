@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from laplace import Laplace
+from laplace import Laplace, baselaplace
 
 from laplace_diffjac import ContextPosterior, DiffBackPackGGN, LocationFunctionalLaplace
 
 from .context import SeedContext
 
-__all__ = ["LOCATION_METHODS", "METHODS", "MethodSpec", "Row"]
+__all__ = ["HAS_ELLA_VALLA", "LOCATION_METHODS", "METHODS", "MethodSpec", "Row"]
 
 
 @dataclass
@@ -147,6 +147,9 @@ def _valla(ctx: SeedContext, row: Row, delta: float) -> Any:
     return la
 
 
+#: laplace-torch 0.3 has ELLA and VaLLA; with 0.2.3 those rows are left out.
+HAS_ELLA_VALLA = hasattr(baselaplace, "ELLA") and hasattr(baselaplace, "VaLLA")
+
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
     for spec in (
@@ -201,5 +204,6 @@ METHODS: dict[str, MethodSpec] = {
             note="LocationFunctionalLaplace on optimised Z",
         ),
     )
+    if HAS_ELLA_VALLA or spec.name not in ("ELLA", "VaLLA")
 }
 LOCATION_METHODS = list(METHODS)
