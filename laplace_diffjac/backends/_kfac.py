@@ -167,6 +167,14 @@ def _loss_and_conv_inputs(
 
     BackPACK's ``KFLR`` sums the unfolded input's outer products over output
     positions and averages over the batch, ``(C_in k_h k_w, C_in k_h k_w)``.
+
+    Returns
+    -------
+    loss : torch.Tensor
+        ``lossfunc(model(x), y)``.
+    factors : dict of str to torch.Tensor
+        The input factor of each ``Conv2d`` weight, by module name.
+
     """
     convs = {
         name: model.get_submodule(name)

@@ -138,6 +138,12 @@ def _is_container(module: nn.Module) -> bool:
 
     Its children carry the hooks; on the container itself BackPACK would find no
     extension and warn about the children's parameters.
+
+    Returns
+    -------
+    bool
+        Whether the module has children and no parameter of its own.
+
     """
     has_children = next(module.children(), None) is not None
     return has_children and next(module.parameters(recurse=False), None) is None

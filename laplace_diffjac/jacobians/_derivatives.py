@@ -229,6 +229,13 @@ def _linear_factors(
     the weight block of sample ``b`` is ``Σ_t g[v, b, t] ⊗ a[b, t]`` (an outer
     product when there are no extra dimensions ``*``) and the bias block
     ``Σ_t g[v, b, t]``.
+
+    Returns
+    -------
+    list of (int, Factors)
+        ``Product`` factors of the weight and ``Summed`` factors of the bias, keyed
+        by the parameters' ``id`` (only those in ``wanted``).
+
     """
     module = call.module
     n_rows, batch, n_out = grad.shape[0], grad.shape[1], grad.shape[-1]
@@ -248,6 +255,12 @@ def _batch_first(g: torch.Tensor) -> torch.Tensor:
     With more than one position the product is a ``bmm`` over the batch, whose
     left factor must be contiguous; the copy is made here, in the autograd graph,
     so that the Jacobian stays differentiable twice.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, V, out, L)``.
+
     """
     g = g.transpose(0, 1)
     return g if g.shape[3] == 1 else g.contiguous()
@@ -270,6 +283,12 @@ def _conv2d_factors(
     A convolution is a Linear layer applied at every output position to the
     unfolded input patches ``(batch, C_in·kh·kw, L)``, so its factors are those of
     :func:`_linear_factors` with the ``L`` positions as the extra dimensions.
+
+    Returns
+    -------
+    list of (int, Factors)
+        As for :func:`_linear_factors`, with the unfolded patches as inputs.
+
     """
     module = call.module
     n_rows, batch = grad.shape[0], grad.shape[1]

@@ -189,6 +189,11 @@ def check_model_output(f: object, batch_size: int) -> torch.Tensor:
     torch.Tensor
         ``f`` itself.
 
+    Raises
+    ------
+    InvalidInputError
+        If ``f`` is not a tensor of shape ``(batch,)`` or ``(batch, outputs)``.
+
     """
     if not isinstance(f, torch.Tensor):
         raise InvalidInputError(

@@ -235,6 +235,17 @@ def _forward_trace(layers: Sequence[nn.Module], x: torch.Tensor) -> list:
 
     Returns ``[op, ..., output]`` with ``op`` either ``('linear', module, input)``
     or ``('scale', derivative (B, width))``.
+
+    Returns
+    -------
+    list
+        The recorded operations followed by the output.
+
+    Raises
+    ------
+    ValueError
+        If a Linear layer gets an input that is not ``(batch, features)``.
+
     """
     ops: list = []
     h = x
@@ -269,6 +280,12 @@ def _output_signals(
 
     Returns ``(linear, input (B, in), g (B, C, out) or None for identity)`` per
     Linear layer, in forward order.
+
+    Returns
+    -------
+    list of tuple
+        One entry per Linear layer, in forward order.
+
     """
     g: torch.Tensor | None = None
     result = []

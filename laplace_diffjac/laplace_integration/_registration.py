@@ -107,6 +107,18 @@ def _frozen_parameters_policy(backend: Any) -> tuple[Any, Any | None]:
 
     ``BaseLaplace.__init__`` uses ``backend`` for that check and to store it; it is
     given ``CurvlinopsGGN`` and ours is stored as ``_backend_cls`` once it returns.
+
+    Parameters
+    ----------
+    backend : object
+        The backend class the caller chose.
+
+    Returns
+    -------
+    tuple
+        The class handed to the constructor and the class installed afterwards
+        (``None``: leave it).
+
     """
     if is_side_effect_free(backend):
         return CurvlinopsGGN, backend
