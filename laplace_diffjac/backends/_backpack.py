@@ -57,7 +57,7 @@ class _SideEffectFreeBackPack:
         subnetwork_indices: torch.LongTensor | None = None,
         **kwargs: Any,
     ) -> None:
-        super(BackPackInterface, self).__init__(  # type: ignore[misc]
+        super(BackPackInterface, self).__init__(  # type: ignore[call-arg]
             model,
             likelihood,
             last_layer=last_layer,

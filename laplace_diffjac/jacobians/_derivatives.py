@@ -13,7 +13,7 @@ attributes (``input0``, ``output``) on the module only for the duration of one c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 from backpack.core.derivatives.basederivatives import BaseParameterDerivatives
@@ -60,7 +60,9 @@ class _EmbeddingDerivatives(EmbeddingDerivatives):
         subsampling: list[int] | None = None,
     ) -> torch.Tensor:
         self._check_parameters(module)
-        index = module.input0 if subsampling is None else module.input0[subsampling]
+        index = cast(torch.Tensor, vars(module)["input0"])
+        if subsampling is not None:
+            index = index[subsampling]
         one_hot = torch.nn.functional.one_hot(index, module.num_embeddings).to(mat)
         equation = f"n...s,vn...h->v{'' if sum_batch else 'n'}sh"
         return torch.einsum(equation, one_hot, mat)
@@ -290,7 +292,7 @@ def _conv2d_factors(
         As for :func:`_linear_factors`, with the unfolded patches as inputs.
 
     """
-    module = call.module
+    module = cast(nn.Conv2d, call.module)
     n_rows, batch = grad.shape[0], grad.shape[1]
     g = grad.reshape(n_rows, batch, module.out_channels, -1)  # (V, B, out, L)
     blocks: list[tuple[int, Factors]] = []
@@ -299,7 +301,7 @@ def _conv2d_factors(
             call.inputs[0],
             module.kernel_size,
             dilation=module.dilation,
-            padding=module.padding,
+            padding=cast(tuple[int, ...], module.padding),  # never a string here
             stride=module.stride,
         )  # (B, C_in·kh·kw, L)
         blocks.append(
@@ -316,7 +318,9 @@ def _backpack_blocks(
     """BackPACK's ``param_mjp`` per parameter, as ``(V, batch, numel)`` blocks."""
     module = call.module
     derivatives = DERIVATIVES[type(module)]
-    saved = {k: vars(module)[k] for k in ("input0", "output") if k in vars(module)}
+    saved: dict[str, Any] = {
+        k: vars(module)[k] for k in ("input0", "output") if k in vars(module)
+    }
     vars(module)["input0"] = call.inputs[0]
     vars(module)["output"] = call.output
     blocks: list[tuple[int, Factors]] = []

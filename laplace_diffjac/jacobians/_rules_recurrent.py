@@ -90,8 +90,8 @@ def recurrent_factors(
             allow_unused=True,
             is_grads_batched=True,
         )
-    n_rows = grads[0].shape[0] if grads[0] is not None else pairs[0][1].shape[0]
-    found = [
+    n_rows = pairs[0][1].shape[0]
+    signals = [
         torch.zeros((n_rows, *t.shape), dtype=t.dtype, device=t.device)
         if g is None
         else g
@@ -101,7 +101,7 @@ def recurrent_factors(
     i = 0
     for suffix, tr in traces.items():
         n = len(_targets(tr))
-        blocks += _layer_factors(m, suffix, tr, found[i : i + n], wanted)
+        blocks += _layer_factors(m, suffix, tr, signals[i : i + n], wanted)
         i += n
     return blocks
 
@@ -170,7 +170,8 @@ def _unroll(
     h_size = m.proj_size if getattr(m, "proj_size", 0) else m.hidden_size
     batch = x.shape[0]
     traces: dict[str, _Trace] = {}
-    h_n, c_n = [], []
+    h_n: list[torch.Tensor] = []
+    c_n: list[torch.Tensor] = []
     for layer in range(m.num_layers):
         outs = []
         for d in range(dirs):
@@ -184,7 +185,8 @@ def _unroll(
             out, h, c, traces[suffix] = _direction(m, suffix, seq, h0, c0)
             outs.append(out.flip(1) if d else out)
             h_n.append(h)
-            c_n.append(c)
+            if c is not None:
+                c_n.append(c)
         x = torch.cat(outs, dim=2) if dirs > 1 else outs[0]
     results = [x, torch.stack(h_n)]
     if isinstance(m, nn.LSTM):
@@ -213,6 +215,7 @@ def _direction(
         tr.h_prev.append(h)
         tr.a_hh.append(a_hh)
         if isinstance(m, nn.LSTM):
+            assert c is not None  # an LSTM always carries its cell state
             h, c = _lstm_cell(a_ih[:, t], a_hh, c)
             if w_hr is not None:
                 tr.m.append(h)
@@ -233,7 +236,7 @@ def _trackable(t: torch.Tensor) -> torch.Tensor:
 
 
 def _lstm_cell(
-    a_ih: torch.Tensor, a_hh: torch.Tensor, c: torch.Tensor | None
+    a_ih: torch.Tensor, a_hh: torch.Tensor, c: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     i, f, g, o = (a_ih + a_hh).chunk(4, dim=1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)

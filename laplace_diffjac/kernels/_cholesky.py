@@ -120,7 +120,7 @@ class _ExplainedTrace(torch.autograd.Function):
     """``Σ K_zx ⊙ (K⁻¹ K_zx Λ)`` with the analytic backward pass."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, K: torch.Tensor, K_zx: torch.Tensor, lam: torch.Tensor
     ) -> torch.Tensor:
         n, (b, C) = K.shape[0], lam.shape[:2]
@@ -139,7 +139,7 @@ class _ExplainedTrace(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         K_zx, A, A_lam = ctx.saved_tensors
         n, b, C = ctx.shape
         g_K = g_zx = g_lam = None

@@ -58,7 +58,7 @@ def _scale(a: torch.Tensor, weight: bool, bias: bool) -> torch.Tensor:
 
 class _SymmetricGram(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, meta: tuple, factor: torch.Tensor, k: int, *tensors: torch.Tensor
     ) -> torch.Tensor:
         weight, bias, identity, c = meta
@@ -81,7 +81,7 @@ class _SymmetricGram(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         weight, bias, identity, c = ctx.meta
         factor, *tensors = ctx.saved_tensors
         inputs, signals = tensors[: ctx.k], tensors[ctx.k :]

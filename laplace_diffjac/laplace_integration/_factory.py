@@ -85,7 +85,7 @@ def factory_patches() -> list[AttributePatch]:
     if "functional_approximation" not in inspect.signature(original).parameters:
         return []
     wrapped = _with_context(original)
-    patches = [AttributePatch(laplace_module, "Laplace", wrapped)]  # type: ignore[arg-type]
+    patches = [AttributePatch(laplace_module, "Laplace", wrapped)]
     if vars(laplace).get("Laplace") is original:
-        patches.append(AttributePatch(laplace, "Laplace", wrapped))  # type: ignore[arg-type]
+        patches.append(AttributePatch(laplace, "Laplace", wrapped))
     return patches

@@ -23,8 +23,8 @@ class AttributePatch:
 
     Parameters
     ----------
-    owner : type
-        The class whose own ``__dict__`` entry is replaced.
+    owner : type or module
+        The class (or module) whose own ``__dict__`` entry is replaced.
     name : str
         Attribute name, e.g. ``"__init__"``.
     replacement : object
@@ -32,7 +32,7 @@ class AttributePatch:
 
     """
 
-    owner: type
+    owner: Any
     name: str
     replacement: Any
     _original: Any = field(default=_MISSING, init=False, repr=False)
@@ -42,7 +42,7 @@ class AttributePatch:
     def original(self) -> Any:
         """The ``__dict__`` entry that was replaced (only while applied)."""
         if not self._applied:
-            raise RuntimeError(f"{self.owner.__qualname__}.{self.name} not patched.")
+            raise RuntimeError(f"{_name(self.owner)}.{self.name} not patched.")
         return self._original
 
     @property
@@ -80,7 +80,7 @@ class AttributePatch:
         current = vars(self.owner).get(self.name, _MISSING)
         if current is not self.replacement:
             raise RuntimeError(
-                f"{self.owner.__qualname__}.{self.name} was replaced again after "
+                f"{_name(self.owner)}.{self.name} was replaced again after "
                 "laplace_diffjac patched it; undo that patch first."
             )
         if self._original is _MISSING:
@@ -89,6 +89,10 @@ class AttributePatch:
             setattr(self.owner, self.name, self._original)
         self._original = _MISSING
         self._applied = False
+
+
+def _name(owner: Any) -> str:
+    return str(getattr(owner, "__qualname__", getattr(owner, "__name__", owner)))
 
 
 class Reversible(Protocol):
