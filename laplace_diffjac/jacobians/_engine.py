@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..errors import InvalidInputError
 from ._assembly import assemble
 from ._derivatives import owning_modules, param_jacobian_factors
 from ._inputs import batch_size, check_model_output, detached
@@ -170,11 +171,15 @@ def _output_signals(f: torch.Tensor, selected: torch.Tensor | None) -> torch.Ten
     if selected.dim() == 1:
         selected = selected[:, None]
     if selected.shape[0] != batch:
-        raise ValueError(
-            f"Output selectors have {selected.shape[0]} rows but the batch has {batch}."
+        raise InvalidInputError(
+            f"Output selectors have {selected.shape[0]} rows but the batch has "
+            f"{batch}; pass one row of output indices per input."
         )
     if selected.numel() and (selected.min() < 0 or selected.max() >= n_out):
-        raise ValueError(f"Output selectors must lie in [0, {n_out}).")
+        raise InvalidInputError(
+            f"Output selectors must lie in [0, {n_out}) (the model has {n_out} "
+            "outputs)."
+        )
     one_hot = torch.nn.functional.one_hot(selected, n_out).to(f.dtype)
     return one_hot.permute(1, 0, 2)
 

@@ -21,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModuleError
 from ._assembly import Factors, Product, Summed
 from ._layer_calls import LayerCall
 
@@ -60,14 +61,14 @@ def attention_factors(
 
     Raises
     ------
-    ValueError
+    UnsupportedModuleError
         If the returned attention weights influence the model output, or the
         inputs are unbatched.
 
     """
     m: nn.MultiheadAttention = call.module  # type: ignore[assignment]
     if any(g is not None for g in grads[1:]):
-        raise ValueError(
+        raise UnsupportedModuleError(
             "The attention weights returned by MultiheadAttention influence the "
             "model output; per-sample Jacobians through them are not supported by "
             "the BackPACK backends (use laplace_diffjac.DiffFuncGGN)."
@@ -141,7 +142,10 @@ def _batch_first_inputs(
     args = bound.arguments
     q, k, v = args["query"], args["key"], args["value"]
     if q.dim() != 3:
-        raise ValueError("MultiheadAttention needs batched (3-D) inputs here.")
+        raise UnsupportedModuleError(
+            "MultiheadAttention got unbatched (2-D) inputs; the BackPACK backends "
+            "need batched (3-D) inputs."
+        )
     if not m.batch_first:
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     if args["query"] is args["key"] and args["key"] is args["value"]:

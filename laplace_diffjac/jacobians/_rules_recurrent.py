@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModuleError
 from ._assembly import Factors, Product, Summed
 from ._layer_calls import LayerCall
 
@@ -71,7 +72,7 @@ def recurrent_factors(
 
     Raises
     ------
-    ValueError
+    UnsupportedModuleError
         For unbatched (2-D) or packed inputs.
 
     """
@@ -143,9 +144,15 @@ def _inputs(
     x = call.inputs[0]
     hx = call.inputs[1] if len(call.inputs) > 1 else call.kwargs.get("hx")
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{type(m).__name__}: packed sequences are not supported.")
+        raise UnsupportedModuleError(
+            f"{type(m).__name__} got a PackedSequence, which the BackPACK backends "
+            "do not support; pad the sequences or use laplace_diffjac.DiffFuncGGN."
+        )
     if x.dim() != 3:
-        raise ValueError(f"{type(m).__name__} needs batched (3-D) inputs here.")
+        raise UnsupportedModuleError(
+            f"{type(m).__name__} got an unbatched (2-D) input; the BackPACK backends "
+            "need batched (3-D) inputs."
+        )
     x = x if m.batch_first else x.transpose(0, 1)
     if hx is not None and isinstance(hx, torch.Tensor):
         hx = (hx,)

@@ -11,6 +11,7 @@ from laplace_diffjac import (
     DiffBackPackGGN,
     DiffFuncGGN,
     InvalidInputError,
+    UnsupportedModuleError,
 )
 from tests.backends.methods import kron_friendly_mlp, method_calls
 from tests.conftest import BACKENDS
@@ -130,3 +131,45 @@ def test_exceptions_leave_nothing_behind(backend_cls, where):
             call(backend, x, y)
         assert_same_state(before, model_state(model))
         assert x.grad is None, name
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "picked, message",
+    [
+        (torch.tensor([0, 1, 0]), "rows but the batch has 2"),
+        (torch.tensor([0, 5]), r"must lie in \[0, 3\)"),
+    ],
+    ids=["wrong rows", "out of range"],
+)
+def test_bad_output_selectors(backend_cls, picked, message):
+    model = kron_friendly_mlp()
+    before = model_state(model)
+    x = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match=message):
+        backend_cls(model, "classification").selected_output_jacobians(x, picked)
+    assert_same_state(before, model_state(model))
+
+
+class _AttentionWeightsModel(nn.Module):
+    """Uses MultiheadAttention's returned weights in its output (not supported)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weights = self.attention(x, x, x, need_weights=True)
+        return self.head(out.mean(1)) + weights.sum((1, 2))[:, None]
+
+
+@pytest.mark.parametrize("backend_cls", BACKPACK_BACKENDS, ids=lambda c: c.__name__)
+def test_attention_weights_in_the_output_point_to_functorch_backend(backend_cls):
+    torch.manual_seed(0)
+    model = _AttentionWeightsModel().double().eval()
+    before = model_state(model)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    with pytest.raises(UnsupportedModuleError, match="DiffFuncGGN"):
+        backend_cls(model, "regression").jacobians(x)
+    assert_same_state(before, model_state(model))
