@@ -17,7 +17,6 @@ before keep theirs.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
 
 from laplace.baselaplace import BaseLaplace
 from laplace.curvature import BackPackEF, BackPackGGN
@@ -34,7 +33,7 @@ REPLACEMENTS: dict[type, type] = {
 }
 
 
-def _replacing_policy(backend: Any) -> tuple[Any, None]:
+def _replacing_policy(backend: object) -> tuple[object, None]:
     for upstream, replacement in REPLACEMENTS.items():
         if backend is upstream:
             return replacement, None

@@ -61,7 +61,7 @@ SIDE_EFFECT_FREE_BACKENDS: tuple[type, ...] = (
 FUNCTIONAL_BACKENDS: tuple[type, ...] = (DiffBackPackGGN, DiffFuncGGN)
 
 
-def is_side_effect_free(backend: Any) -> bool:
+def is_side_effect_free(backend: object) -> bool:
     """Whether ``backend`` is (a subclass of) one of this package's backends.
 
     Parameters
@@ -77,7 +77,7 @@ def is_side_effect_free(backend: Any) -> bool:
     return isinstance(backend, type) and issubclass(backend, SIDE_EFFECT_FREE_BACKENDS)
 
 
-def _functional_policy(backend: Any) -> tuple[Any, Any | None]:
+def _functional_policy(backend: object) -> tuple[object, type | None]:
     """Let ``FunctionalLaplace`` take our GGN backends past its allow-list.
 
     The constructor is given ``CurvlinopsGGN``, which its allow-list accepts and
@@ -102,7 +102,7 @@ def _functional_policy(backend: Any) -> tuple[Any, Any | None]:
     return CurvlinopsGGN, backend
 
 
-def _frozen_parameters_policy(backend: Any) -> tuple[Any, Any | None]:
+def _frozen_parameters_policy(backend: object) -> tuple[object, type | None]:
     """Let ``BaseLaplace.__init__`` take our backends when parameters are frozen.
 
     ``BaseLaplace.__init__`` uses ``backend`` for that check and to store it; it is
@@ -120,7 +120,7 @@ def _frozen_parameters_policy(backend: Any) -> tuple[Any, Any | None]:
         (``None``: leave it).
 
     """
-    if is_side_effect_free(backend):
+    if isinstance(backend, type) and is_side_effect_free(backend):
         return CurvlinopsGGN, backend
     return backend, None
 
