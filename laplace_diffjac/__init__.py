@@ -9,9 +9,11 @@ The subpackages are the layers, each importing only those above it in this list:
 
 * :mod:`laplace_diffjac.jacobians` — the Jacobian engine (no laplace-torch);
 * :mod:`laplace_diffjac.backends` — laplace-torch curvature backends on the engine;
-* :mod:`laplace_diffjac.laplace_integration` — registration and ``patch_laplace``;
 * :mod:`laplace_diffjac.kernels` — the NTK and likelihood Hessians;
 * :mod:`laplace_diffjac.context` — location optimiser and context posteriors;
+* :mod:`laplace_diffjac.laplace_integration` — registration with laplace-torch
+  (its estimators accept our backends, its factory builds our posteriors) and
+  ``patch_laplace``;
 * :mod:`laplace_diffjac.examples` — data and training for demos and notebooks.
 """
 

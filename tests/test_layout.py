@@ -16,9 +16,9 @@ PACKAGE = pathlib.Path(laplace_diffjac.__file__).parent
 LAYERS = [
     "jacobians",
     "backends",
-    "laplace_integration",
     "kernels",
     "context",
+    "laplace_integration",
     "examples",
 ]
 
