@@ -137,6 +137,7 @@ def test_val_loader_with_marglik_warns_as_laplace_torch():
         cp.optimize_prior_precision(n_steps=1, val_loader=val)
 
 
+@pytest.mark.slow
 def test_readme_evidence_example_runs():
     from tests.test_readme import _block
 
