@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from laplace import Laplace
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from ..backends import DiffBackPackGGN
 from ..context import (
@@ -51,9 +48,8 @@ from ..context import (
     optimize_locations,
     random_subset,
 )
-from .datasets import make_moons, make_regression_gap
+from ._problem import Problem, latent_variance, make_problem
 from .settings import DemoSettings
-from .training import train_mlp
 
 __all__ = ["DemoResult", "format_table", "run_demo"]
 
@@ -131,65 +127,7 @@ class DemoResult:
         raise KeyError((method, locations))
 
 
-@dataclass
-class _Problem:
-    """Data, trained model and what every method is evaluated on."""
-
-    settings: DemoSettings
-    model: nn.Module
-    loader: DataLoader
-    x: torch.Tensor
-    y: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    grid: torch.Tensor
-    prior_precision: float = 1.0
-
-    @property
-    def sigma_noise(self) -> float:
-        return self.settings.sigma_noise
-
-    def nll(self, prediction: Any) -> float:
-        """Test NLL of a laplace-torch style prediction (probit for classes)."""
-        task, s = self.settings.task, self.settings
-        if task == "regression":
-            mean, var = prediction
-            var = var.detach().reshape(-1) + s.sigma_noise**2
-            r = (self.y_test.reshape(-1) - mean.detach().reshape(-1)) ** 2
-            return float((0.5 * (torch.log(2 * math.pi * var) + r / var)).mean())
-        p = prediction.detach().clamp_min(1e-12)
-        return float(-torch.log(p[torch.arange(len(self.y_test)), self.y_test]).mean())
-
-
-def _make_problem(settings: DemoSettings, seed: int) -> _Problem:
-    gen = torch.Generator().manual_seed(seed)
-    s = settings
-    make: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-    if s.task == "regression":
-        make = lambda n: make_regression_gap(n, gen, s.data_noise)  # noqa: E731
-    else:
-        make = lambda n: make_moons(n, gen, s.data_noise, s.label_noise)  # noqa: E731
-    x, y = make(s.n)
-    x_test, y_test = make(max(200, s.n // 2))
-    model = train_mlp(x, y, s, seed)
-    loader = DataLoader(TensorDataset(x, y), batch_size=256)
-    return _Problem(s, model, loader, x, y, x_test, y_test, _test_grid(x, s.task))
-
-
-def _test_grid(x: torch.Tensor, task: str) -> torch.Tensor:
-    if task == "regression":
-        return torch.linspace(-5, 5, 200).unsqueeze(1)
-    lo, hi = x.min(0).values, x.max(0).values
-    g0, g1 = torch.linspace(lo[0], hi[0], 30), torch.linspace(lo[1], hi[1], 30)
-    return torch.cartesian_prod(g0, g1)
-
-
-def _latent_variance(la: Any, x: torch.Tensor) -> torch.Tensor:
-    Js, _ = la.backend.jacobians(x)
-    return la.functional_variance(Js).diagonal(dim1=-2, dim2=-1).detach()
-
-
-def _choose_prior_precision(problem: _Problem, result: DemoResult, seed: int) -> None:
+def _choose_prior_precision(problem: Problem, result: DemoResult, seed: int) -> None:
     """The prior precision by evidence, as a laplace-torch user would choose it.
 
     The context posterior on the random locations (cheap at any ``N``) maximises
@@ -212,7 +150,7 @@ def _choose_prior_precision(problem: _Problem, result: DemoResult, seed: int) ->
     }
 
 
-def _full_laplace(problem: _Problem) -> Any:
+def _full_laplace(problem: Problem) -> Any:
     full = Laplace(
         problem.model,
         problem.settings.task,
@@ -226,11 +164,11 @@ def _full_laplace(problem: _Problem) -> Any:
     return full
 
 
-def _add_reference(problem: _Problem, result: DemoResult) -> torch.Tensor:
+def _add_reference(problem: Problem, result: DemoResult) -> torch.Tensor:
     """Fit the full-data GGN Laplace; add its row; return its grid variances."""
     start = time.perf_counter()
     full = _full_laplace(problem)
-    var_full = _latent_variance(full, problem.grid)
+    var_full = latent_variance(full, problem.grid)
     pred = full(problem.x_test, pred_type="glm", link_approx="probit")
     result.rows.append(
         {
@@ -246,7 +184,7 @@ def _add_reference(problem: _Problem, result: DemoResult) -> torch.Tensor:
 
 
 def _choose_locations(
-    problem: _Problem, result: DemoResult, seed: int, progress_bar: bool
+    problem: Problem, result: DemoResult, seed: int, progress_bar: bool
 ) -> None:
     """Random subset and, starting from it, optimised locations."""
     s = problem.settings
@@ -277,7 +215,7 @@ def _choose_locations(
 
 
 def _fit_on_locations(
-    problem: _Problem, method: str, hessian: str | None, Z: torch.Tensor
+    problem: Problem, method: str, hessian: str | None, Z: torch.Tensor
 ) -> tuple[Any, Any]:
     """Fit one context method on ``Z``; return it and its test prediction."""
     task, sigma, prior = (
@@ -305,7 +243,7 @@ def _fit_on_locations(
 
 
 def _compare_methods(
-    problem: _Problem, result: DemoResult, var_full: torch.Tensor
+    problem: Problem, result: DemoResult, var_full: torch.Tensor
 ) -> None:
     methods: dict[str, str | None] = {
         "FunctionalLaplace": "full",
@@ -317,7 +255,7 @@ def _compare_methods(
         for method, hessian in methods.items():
             start = time.perf_counter()
             la, pred = _fit_on_locations(problem, method, hessian, Z)
-            var = _latent_variance(la, problem.grid)
+            var = latent_variance(la, problem.grid)
             result.rows.append(
                 {
                     "method": method,
@@ -372,7 +310,7 @@ def run_demo(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
-        problem = _make_problem(settings, seed)
+        problem = make_problem(settings, seed)
         result = DemoResult(
             settings=settings,
             seed=seed,
