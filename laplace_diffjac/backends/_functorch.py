@@ -222,11 +222,16 @@ class DiffFuncGGN(GGNInterface):
         model = _FlatOutputs(self.model) if flatten else self.model
         targets = y.reshape(-1) if flatten else y
         loss, kron = kfac_factors(
-            model, self.lossfunc, self.params, x, targets, stochastic=stochastic
+            model,
+            self.lossfunc,  # type: ignore[arg-type]
+            self.params,
+            x,
+            targets,
+            stochastic=stochastic,
         )
         for block in kron.kfacs:
             if len(block) == 2:
-                block[1] *= len(y) / N
+                block[1] *= len(y) / N  # type: ignore[index,misc]
         return self.factor * loss, self.factor * kron
 
 

@@ -79,13 +79,13 @@ def _reduced_features(phi: torch.Tensor, reduction: object) -> torch.Tensor:
     """
     if phi.dim() == 2:
         return phi
-    inner = phi.dim() - 2
+    tokens = phi.flatten(start_dim=1, end_dim=-2)  # (batch, positions, D)
     if reduction == "pick_first":
-        return phi[(slice(None), *([0] * inner), slice(None))]
+        return tokens[:, 0]
     if reduction == "pick_last":
-        return phi[(slice(None), *([-1] * inner), slice(None))]
+        return tokens[:, -1]
     if reduction == "average":
-        return phi.mean(dim=tuple(range(1, phi.dim() - 1)))
+        return tokens.mean(dim=1)
     raise UnsupportedModuleError(
         f"The last layer's input has shape {tuple(phi.shape)}; closed-form "
         "last-layer Jacobians need (batch, features). For sequence models pass "
