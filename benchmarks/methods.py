@@ -6,23 +6,31 @@ Every ``jac`` returns graph-connected Jacobians ``(B, C, P)`` (``enable_backprop
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Union
 
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-JacFn = Callable[[torch.Tensor], torch.Tensor]
+Batch = Union[torch.Tensor, dict[str, torch.Tensor]]
+JacFn = Callable[[Batch], torch.Tensor]
 
 
 def per_sample_vmap_jacrev(model: nn.Module, n_out: int) -> JacFn:
     """Plain per-sample ``vmap(jacrev(functional_call))``, written here."""
     params = dict(model.named_parameters())
 
-    def single(p: dict, xi: torch.Tensor) -> torch.Tensor:
+    def single(p: dict, xi: Batch) -> torch.Tensor:
+        if isinstance(xi, dict):
+            batch = {k: v[None] for k, v in xi.items()}
+            return functional_call(model, p, (batch,)).reshape(-1)
         return functional_call(model, p, (xi.unsqueeze(0),)).reshape(-1)
 
-    def jac(x: torch.Tensor) -> torch.Tensor:
-        blocks = vmap(jacrev(single), in_dims=(None, 0))(params, x)
+    def jac(x: Batch) -> torch.Tensor:
+        # the composite attention kernel: the fused CPU one has no batching rule
+        with sdpa_kernel([SDPBackend.MATH]):
+            blocks = vmap(jacrev(single), in_dims=(None, 0))(params, x)
         return torch.cat([b.flatten(start_dim=2) for b in blocks.values()], dim=2)
 
     return jac
@@ -70,14 +78,44 @@ JACOBIAN_METHODS: dict[str, Callable[[nn.Module, int], JacFn]] = {
     "DiffBackPackGGN": diff_backpack,
 }
 
+#: Routes that take dict-like (token) batches; laplace-torch's refuse them.
+DICT_METHODS = ("vmap_jacrev", "DiffFuncGGN", "DiffBackPackGGN")
+
 #: The torch.func routes; ratios are also given against the fastest of them.
 TORCH_FUNC_METHODS = ("lt_jacrev_batch", "vmap_jacrev", "DiffFuncGGN")
 
 
-def reference_jacobians(model64: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Float64 per-sample ``vmap(jacrev)`` reference ``(B, C, P)``.
+def reference_jacobians(model64: nn.Module, x: Batch) -> torch.Tensor:
+    """Float64 per-sample reference ``(B, C, P)``.
 
     ``model64`` is a separately built float64 copy of the benchmarked model; the
-    result is differentiable with respect to ``x`` (float64).
+    result is differentiable with respect to ``x`` (float64) and the parameters.
+    Tensor batches use ``vmap(jacrev)``; dict (token) batches, whose models hold
+    LayerNorm layers, plain autograd per sample and output, because the second
+    derivatives of ``vmap(jacrev)`` through ``layer_norm`` are wrong in torch 2.14.
     """
-    return per_sample_vmap_jacrev(model64, 0)(x)
+    if not isinstance(x, dict):
+        return per_sample_vmap_jacrev(model64, 0)(x)
+    params = list(model64.parameters())
+    rows = []
+    for i in range(len(x["input_ids"])):
+        out = model64({k: v[i : i + 1] for k, v in x.items()}).reshape(-1)
+        rows.append(
+            torch.stack(
+                [
+                    torch.cat(
+                        [
+                            (torch.zeros_like(p) if g is None else g).flatten()
+                            for g, p in zip(
+                                torch.autograd.grad(
+                                    o, params, create_graph=True, allow_unused=True
+                                ),
+                                params,
+                            )
+                        ]
+                    )
+                    for o in out
+                ]
+            )
+        )
+    return torch.stack(rows)

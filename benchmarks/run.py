@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from cases import FULL, GRAM_FULL, GRAM_QUICK, QUICK, Config  # noqa: E402
-from methods import JACOBIAN_METHODS  # noqa: E402
+from methods import DICT_METHODS, JACOBIAN_METHODS  # noqa: E402
 from report import write_report  # noqa: E402
 
 
@@ -83,17 +83,29 @@ def run_worker(spec: dict, timeout: float) -> list[dict]:
     ]  # fmt: skip
 
 
-def build_specs(quick: bool, methods: list[str]) -> tuple[list[dict], list[str]]:
+def build_specs(
+    quick: bool, methods: list[str], only: list[str] | None = None
+) -> tuple[list[dict], list[str]]:
     """The memory, correctness and Gram measurements of one run, and report notes.
 
     The interleaved timing of each Jacobian configuration is made afterwards by
-    :func:`timing_spec`, over the methods that ran there.
+    :func:`timing_spec`, over the methods that ran there. ``only`` restricts
+    the run to the named configurations.
     """
     configs, grams = (QUICK, GRAM_QUICK) if quick else (FULL, GRAM_FULL)
+    if only:
+        configs = [c for c in configs if c.name in only]
+        grams = [(c, j) for c, j in grams if c.name in only]
+        unknown = set(only) - {c.name for c in configs} - {c.name for c, _ in grams}
+        if unknown:
+            raise SystemExit(f"--configs: unknown configuration(s) {sorted(unknown)}")
     routes, notes = gram_routes()
     specs = []
     for cfg in configs:
-        specs += _specs(cfg, "jacobian", methods, quick)
+        usable = methods if cfg.kind != "transformer" else [
+            m for m in methods if m in DICT_METHODS
+        ]  # fmt: skip
+        specs += _specs(cfg, "jacobian", usable, quick)
     for cfg, with_j in grams:
         wanted = [r for r in routes if with_j or r != "J"]
         specs += _specs(cfg, "gram", wanted, quick)
@@ -156,6 +168,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--methods", nargs="*", default=list(JACOBIAN_METHODS))
     parser.add_argument("--timeout", type=float, default=150.0, help="per worker, s")
     parser.add_argument(
+        "--configs",
+        nargs="*",
+        default=None,
+        help="only these configurations, by name (e.g. transformer-d32-T32-C10-B64)",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=None,
@@ -176,7 +194,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.report_from:
         return rerender(args.report_from, args.out)
     jobs = args.jobs or (2 if args.quick else 1)
-    specs, notes = build_specs(args.quick, args.methods)
+    specs, notes = build_specs(args.quick, args.methods, args.configs)
     start = time.perf_counter()
     results: list[dict] = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -75,23 +75,39 @@ def _timing_args(quick: bool, budget_s: float = 1.0, max_reps: int = 10) -> dict
     return {"budget_s": budget_s, "min_reps": 3, "max_reps": max_reps}
 
 
-def _full_step(jac, x: torch.Tensor, kind: str):
-    """Jacobians + gradient of the objective with respect to ``x``."""
+def _leaves(model: torch.nn.Module, x) -> list[torch.Tensor]:
+    """What the full step differentiates: ``x``, or the parameters for tokens."""
+    return list(model.parameters()) if isinstance(x, dict) else [x]
+
+
+def _full_step(jac, x, kind: str, leaves: list[torch.Tensor]):
+    """Jacobians + gradient of the objective with respect to ``leaves``."""
 
     def full() -> torch.Tensor:
-        return torch.autograd.grad(objective(jac(x), kind), x)[0]
+        grads = torch.autograd.grad(objective(jac(x), kind), leaves, allow_unused=True)
+        return torch.cat(
+            [
+                (torch.zeros_like(p) if g is None else g).flatten()
+                for g, p in zip(grads, leaves)
+            ]
+        )
 
     return full
+
+
+def _input(cfg: Config):
+    x = cfg.inputs()
+    return x if isinstance(x, dict) else x.requires_grad_(True)
 
 
 def run_jacobian(cfg: Config, method: str, quick: bool) -> dict:
     """Peak memory of one full step (first thing in a fresh process) and errors."""
     model = cfg.model()
-    x = cfg.inputs().requires_grad_(True)
+    x = _input(cfg)
     jac = JACOBIAN_METHODS[method](model, cfg.n_out)
     n_params = sum(p.numel() for p in model.parameters())
     kind = objective_kind(cfg.batch, cfg.n_out, n_params)
-    full = _full_step(jac, x, kind)
+    full = _full_step(jac, x, kind, _leaves(model, x))
 
     base = current_rss_mib()
     reset_peak_rss()
@@ -101,9 +117,10 @@ def run_jacobian(cfg: Config, method: str, quick: bool) -> dict:
     peak = peak_rss_mib() - base
 
     J = jac(x)
-    x64 = x.detach().double().requires_grad_(True)
-    ref = reference_jacobians(cfg.model(torch.float64), x64)
-    ref_g = torch.autograd.grad(objective(ref, kind), x64)[0]
+    model64 = cfg.model(torch.float64)
+    x64 = x if isinstance(x, dict) else x.detach().double().requires_grad_(True)
+    ref = reference_jacobians(model64, x64)
+    ref_g = _full_step(lambda _: ref, x64, kind, _leaves(model64, x64))()
     return {
         "n_params": n_params,
         "objective": kind,
@@ -124,7 +141,7 @@ def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
     subtracted from each full step to give the Jacobian part.
     """
     model = cfg.model()
-    x = cfg.inputs().requires_grad_(True)
+    x = _input(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     kind = objective_kind(cfg.batch, cfg.n_out, n_params)
     jacs = {m: JACOBIAN_METHODS[m](model, cfg.n_out) for m in methods}
@@ -134,7 +151,7 @@ def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
     }
     for m, jac in jacs.items():
         tasks[(m, "t_jac")] = lambda jac=jac: jac(x)
-        tasks[(m, "t_full")] = _full_step(jac, x, kind)
+        tasks[(m, "t_full")] = _full_step(jac, x, kind, _leaves(model, x))
     for fn in tasks.values():  # warm-up
         fn()
     times = interleaved_seconds(tasks, **_timing_args(quick, 1.0, 15))

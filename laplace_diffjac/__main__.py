@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     """
     args = _parser().parse_args(argv)
-    from .examples._demo import format_table, plot, run_demo
+    from .examples import format_table, run_demo
+    from .examples.plotting import plot
 
     start = time.perf_counter()
     result = run_demo(

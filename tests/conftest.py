@@ -83,3 +83,147 @@ def case(request: pytest.FixtureRequest) -> Case:
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.__name__)
 def backend_cls(request: pytest.FixtureRequest) -> type:
     return request.param
+
+
+# Models with attention, normalisation and recurrent layers (issue 13); their
+# inputs may be dict-like, and the recurrent ones need the looped reference.
+
+
+class TinyTransformer(nn.Module):
+    """Token embedding, one encoder layer (LayerNorm, attention), mean pool, head.
+
+    Called with a mapping ``{"input_ids": (batch, T)}``, as Hugging Face models are.
+    """
+
+    def __init__(
+        self, c: int = 3, vocab: int = 11, d: int = 8, heads: int = 2, ff: int = 16
+    ):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.enc = nn.TransformerEncoderLayer(
+            d, heads, ff, dropout=0.0, batch_first=True
+        )
+        self.head = nn.Linear(d, c)
+
+    def forward(self, batch):
+        return self.head(self.enc(self.emb(batch["input_ids"])).mean(1))
+
+
+class LSTMRegressor(nn.Module):
+    """LSTM over a sequence, head on the last hidden state and the mean output."""
+
+    def __init__(self, c: int = 1, rnn: type = nn.LSTM, **kwargs):
+        super().__init__()
+        self.rnn = rnn(3, 5, batch_first=True, **kwargs)
+        h_width = kwargs.get("proj_size", 0) or 5
+        dirs = 2 if self.rnn.bidirectional else 1
+        self.head = nn.Linear(h_width * (1 + dirs), c)
+
+    def forward(self, x):
+        out, h = self.rnn(x)
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(torch.cat([h[-1], out.mean(1)], dim=1))
+
+
+class SequenceFirstGRU(nn.Module):
+    """A two-layer bidirectional GRU fed ``(T, batch, in)`` (batch_first=False)."""
+
+    def __init__(self, c: int = 2):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, num_layers=2, bidirectional=True)
+        self.head = nn.Linear(8, c)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.transpose(0, 1))
+        return self.head(torch.tanh(out[-1]))
+
+
+class CrossAttention(nn.Module):
+    """Sequence-first cross-attention with kdim/vdim, causal and padding masks."""
+
+    def __init__(self, c: int = 2):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, kdim=6, vdim=5)
+        self.head = nn.Linear(8, c)
+
+    def forward(self, x):
+        q = x.transpose(0, 1)  # (T, B, 8)
+        k, v = torch.tanh(q[..., :6]), q[..., 2:7]
+        steps = q.shape[0]
+        causal = torch.ones(steps, steps, dtype=torch.bool).triu(1)
+        padding = (x[..., 0] > 1.0) & (torch.arange(steps) > 0)
+        out, _ = self.attn(q, k, v, key_padding_mask=padding, attn_mask=causal)
+        return self.head(out.mean(0))
+
+
+def _groupnorm_cnn(c: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3),
+        nn.GroupNorm(2, 4),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, c),
+    )
+
+
+def _layernorm_mlp(c: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(), nn.Flatten(), nn.Linear(24, c)
+    )
+
+
+@dataclass(frozen=True)
+class SequenceCase:
+    """A seeded float64 model with an input factory (tensor or dict of tokens)."""
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    tokens: int = 0  # vocabulary size for dict token inputs; 0 for float tensors
+    loop_reference: bool = False  # plain autograd reference (see references.py)
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return self.make_model().double().eval()
+
+    def inputs(self, batch: int = 3, seed: int = 1):
+        gen = torch.Generator().manual_seed(seed)
+        if self.tokens:
+            ids = torch.randint(
+                0, self.tokens, (batch, *self.input_shape), generator=gen
+            )
+            return {"input_ids": ids}
+        return torch.randn(
+            (batch, *self.input_shape), generator=gen, dtype=torch.float64
+        )
+
+
+SEQUENCE_CASES = [
+    SequenceCase(
+        "transformer-dict", TinyTransformer, (5,), tokens=11, loop_reference=True
+    ),
+    SequenceCase("lstm-regressor", LSTMRegressor, (4, 3), loop_reference=True),
+    SequenceCase(
+        "lstm-2layer-bidirectional-proj",
+        lambda: LSTMRegressor(2, num_layers=2, bidirectional=True, proj_size=2),
+        (4, 3),
+        loop_reference=True,
+    ),
+    SequenceCase("gru-sequence-first", SequenceFirstGRU, (4, 3), loop_reference=True),
+    SequenceCase(
+        "rnn-relu",
+        lambda: LSTMRegressor(2, nn.RNN, nonlinearity="relu"),
+        (4, 3),
+        loop_reference=True,
+    ),
+    SequenceCase("cross-attention-masks", CrossAttention, (4, 8), loop_reference=True),
+    SequenceCase(
+        "groupnorm-cnn", lambda: _groupnorm_cnn(3), (1, 6, 6), loop_reference=True
+    ),
+    SequenceCase(
+        "layernorm-on-sequences",
+        lambda: _layernorm_mlp(2),
+        (4, 3),
+        loop_reference=True,
+    ),
+]

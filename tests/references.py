@@ -5,26 +5,47 @@ Nothing here imports ``laplace_diffjac``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def reference_jacobians(
-    model: nn.Module, x: torch.Tensor, params: Sequence[torch.Tensor] | None = None
+    model: nn.Module,
+    x: torch.Tensor | Mapping[str, torch.Tensor],
+    params: Sequence[torch.Tensor] | None = None,
+    *,
+    loop: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample ``vmap(jacrev(functional_call))``: ``(batch, C, P)``, ``(batch, C)``.
 
     Differentiable with respect to ``x`` and the parameters by ordinary autograd.
+    ``x`` may be a dict of tensors sharing the batch dimension (the model is
+    called with a dict). With ``loop=True`` plain autograd is used instead of
+    ``torch.func``: one ``torch.autograd.grad`` per sample and output with
+    ``create_graph=True``: for recurrent layers, which ``vmap`` cannot batch, and
+    for layer and group normalisation, whose second derivatives through
+    ``vmap(jacrev)`` are wrong in torch 2.14 (differentiating the Jacobian of
+    ``Linear -> LayerNorm -> Linear`` disagrees with finite differences).
     """
     chosen = list(model.parameters()) if params is None else list(params)
+    with _composite_attention():
+        if loop:
+            return _autograd_loop(model, x, chosen)
+        return _vmap_jacrev(model, x, chosen)
+
+
+def _vmap_jacrev(model, x, chosen):
     ids = {id(p) for p in chosen}
     named = {n: p for n, p in model.named_parameters() if id(p) in ids}
 
     def single(p, xi):
-        out = functional_call(model, p, (xi.unsqueeze(0),), strict=False)
+        xi = {k: v.unsqueeze(0) for k, v in xi.items()} if _is_map(xi) else xi[None]
+        out = functional_call(model, p, (xi,), strict=False)
         return out.reshape(-1)
 
     def jac_and_out(p, xi):
@@ -33,6 +54,46 @@ def reference_jacobians(
     jac, f = vmap(jac_and_out, in_dims=(None, 0))(named, x)
     Js = torch.cat([j.flatten(start_dim=2) for j in jac.values()], dim=2)
     return Js, f
+
+
+def _autograd_loop(model, x, chosen):
+    n = len(next(iter(x.values()))) if _is_map(x) else len(x)
+    rows, outs = [], []
+    for i in range(n):
+        xi = {k: v[i : i + 1] for k, v in x.items()} if _is_map(x) else x[i : i + 1]
+        out = model(xi).reshape(-1)
+        jac = []
+        for c in range(out.shape[0]):
+            grads = torch.autograd.grad(
+                out[c], chosen, create_graph=True, allow_unused=True
+            )
+            jac.append(
+                torch.cat(
+                    [
+                        (torch.zeros_like(p) if g is None else g).flatten()
+                        for g, p in zip(grads, chosen)
+                    ]
+                )
+            )
+        rows.append(torch.stack(jac))
+        outs.append(out)
+    return torch.stack(rows), torch.stack(outs)
+
+
+@contextmanager
+def _composite_attention():
+    """Attention by its composite (math) kernels, without the fused fast path."""
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+
+
+def _is_map(x: object) -> bool:
+    return isinstance(x, Mapping)
 
 
 def model_state(model: nn.Module) -> dict:

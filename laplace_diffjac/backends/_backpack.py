@@ -13,6 +13,7 @@ respect to the input and the parameters.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 
 from ..jacobians._backpack_run import run_extension
 from ..jacobians._engine import parameter_jacobians, per_sample_gradients
-from ..jacobians._inputs import check_tensor_batch
+from ..jacobians._inputs import check_mapping_or_tensor_batch, check_tensor_batch
 from ..jacobians._last_layer import last_layer_jacobians
 
 
@@ -56,7 +57,7 @@ class _SideEffectFreeBackPack:
         subnetwork_indices: torch.LongTensor | None = None,
         **kwargs: Any,
     ) -> None:
-        super(BackPackInterface, self).__init__(  # type: ignore[misc]
+        super(BackPackInterface, self).__init__(  # type: ignore[call-arg]
             model,
             likelihood,
             last_layer=last_layer,
@@ -74,14 +75,16 @@ class _SideEffectFreeBackPack:
         return J[..., self.subnetwork_indices]
 
     def jacobians(
-        self, x: torch.Tensor, enable_backprop: bool = False
+        self, x: torch.Tensor | Mapping[str, Any], enable_backprop: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample Jacobians of all outputs with respect to the parameters.
 
         Parameters
         ----------
-        x : torch.Tensor
-            Input batch ``(batch, *input_shape)`` on the model's device and dtype.
+        x : torch.Tensor or Mapping
+            Input batch ``(batch, *input_shape)`` on the model's device and dtype,
+            or a dict-like batch (``dict``, ``UserDict`` such as ``BatchEncoding``)
+            that the model takes as a whole; the batch size is that of its tensors.
         enable_backprop : bool, default=False
             Keep ``Js`` and ``f`` connected to the graph of ``x`` and the
             parameters, so that functions of them can be differentiated.
@@ -94,7 +97,7 @@ class _SideEffectFreeBackPack:
             Model output ``(batch, outputs)``.
 
         """
-        x = check_tensor_batch(x, self.model, self._name)
+        check_mapping_or_tensor_batch(x, self.model, self._name)
         Js, f = parameter_jacobians(
             self.model,
             x,
@@ -105,14 +108,14 @@ class _SideEffectFreeBackPack:
         return self._select(Js), f
 
     def last_layer_jacobians(
-        self, x: torch.Tensor, enable_backprop: bool = False
+        self, x: torch.Tensor | Mapping[str, Any], enable_backprop: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Jacobians with respect to the last layer's parameters.
 
         Parameters
         ----------
-        x : torch.Tensor
-            Input batch ``(batch, *input_shape)``.
+        x : torch.Tensor or Mapping
+            Input batch ``(batch, *input_shape)`` or a dict-like batch.
         enable_backprop : bool, default=False
             Keep the results connected to the graph of ``x``.
 
@@ -124,12 +127,12 @@ class _SideEffectFreeBackPack:
             ``(batch, outputs)``.
 
         """
-        x = check_tensor_batch(x, self.model, self._name)
+        check_mapping_or_tensor_batch(x, self.model, self._name)
         return last_layer_jacobians(self.model, x, enable_backprop)
 
     def selected_output_jacobians(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Mapping[str, Any],
         outputs: torch.Tensor,
         enable_backprop: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +140,8 @@ class _SideEffectFreeBackPack:
 
         Parameters
         ----------
-        x : torch.Tensor
-            Input batch ``(batch, *input_shape)``.
+        x : torch.Tensor or Mapping
+            Input batch ``(batch, *input_shape)`` or a dict-like batch.
         outputs : torch.Tensor
             Output indices ``(batch,)`` or ``(batch, selected)``.
         enable_backprop : bool, default=False
@@ -152,7 +155,7 @@ class _SideEffectFreeBackPack:
             ``(batch, outputs)``.
 
         """
-        x = check_tensor_batch(x, self.model, self._name)
+        check_mapping_or_tensor_batch(x, self.model, self._name)
         Js, f = parameter_jacobians(
             self.model,
             x,
@@ -164,14 +167,14 @@ class _SideEffectFreeBackPack:
         return self._select(Js), f
 
     def gradients(
-        self, x: torch.Tensor, y: torch.Tensor
+        self, x: torch.Tensor | Mapping[str, Any], y: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample gradients of the sum-reduced loss.
 
         Parameters
         ----------
-        x : torch.Tensor
-            Input batch ``(batch, *input_shape)``.
+        x : torch.Tensor or Mapping
+            Input batch ``(batch, *input_shape)`` or a dict-like batch.
         y : torch.Tensor
             Targets ``(batch, ...)``.
 
@@ -183,7 +186,7 @@ class _SideEffectFreeBackPack:
             Scalar loss (not multiplied by ``factor``, as in laplace-torch).
 
         """
-        x = check_tensor_batch(x, self.model, self._name)
+        check_mapping_or_tensor_batch(x, self.model, self._name)
         Gs, loss = per_sample_gradients(
             self.model,
             x,

@@ -11,7 +11,7 @@ stores nothing on the model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,7 +21,7 @@ from laplace.utils import Kron
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
-from ..errors import UnsupportedModuleError
+from ..errors import InvalidInputError, UnsupportedModuleError
 from ..jacobians._inputs import (
     check_mapping_or_tensor_batch,
     check_model_output,
@@ -118,10 +118,15 @@ class DiffFuncGGN(GGNInterface):
         if isinstance(x, Mapping):
             x = {k: v for k, v in x.items() if isinstance(v, torch.Tensor)}
         if selected is not None and selected.shape[0] != batch:
-            raise ValueError("Output selectors must match the input batch size.")
+            raise InvalidInputError(
+                f"Output selectors have {selected.shape[0]} rows but the batch has "
+                f"{batch}; pass one row of output indices per input."
+            )
         _check_no_backward_hooks(self.model)
         params = self._named_params()
         single = self._per_sample_outputs(x, params)
+        if selected is not None:
+            _check_selector_range(selected, single, params, x)
 
         def with_aux(p: dict[str, torch.Tensor], xi: Any, sel: Any) -> tuple:
             out = single(p, xi)
@@ -257,6 +262,12 @@ def _has_recurrent_layers(model: nn.Module) -> bool:
     Their fused kernels (``_VF.lstm``, oneDNN's ``mkldnn_rnn_layer``) have no
     ``vmap`` batching rule and write into hidden states created unbatched, so
     ``vmap`` over samples fails; ``jacrev`` per sample works.
+
+    Returns
+    -------
+    bool
+        ``True`` if some submodule is an ``nn.RNNBase``.
+
     """
     return any(isinstance(m, nn.RNNBase) for m in model.modules())
 
@@ -324,3 +335,29 @@ def _detach(x: Any) -> Any:
 
 
 __all__ = ["DiffFuncGGN"]
+
+
+def _check_selector_range(
+    selected: torch.Tensor,
+    single: Callable[[dict[str, torch.Tensor], Any], torch.Tensor],
+    params: dict[str, torch.Tensor],
+    x: Any,
+) -> None:
+    """Refuse output indices outside ``[0, C)``, from one sample's forward pass.
+
+    Raises
+    ------
+    InvalidInputError
+        For an index outside ``[0, C)``.
+
+    """
+    if not selected.numel():
+        return
+    first = {k: v[0] for k, v in x.items()} if isinstance(x, Mapping) else x[0]
+    with torch.no_grad():
+        n_out = single(params, first).numel()
+    if selected.min() < 0 or selected.max() >= n_out:
+        raise InvalidInputError(
+            f"Output selectors must lie in [0, {n_out}) (the model has {n_out} "
+            "outputs)."
+        )

@@ -167,12 +167,20 @@ def _loss_and_conv_inputs(
 
     BackPACK's ``KFLR`` sums the unfolded input's outer products over output
     positions and averages over the batch, ``(C_in k_h k_w, C_in k_h k_w)``.
+
+    Returns
+    -------
+    loss : torch.Tensor
+        ``lossfunc(model(x), y)``.
+    factors : dict of str to torch.Tensor
+        The input factor of each ``Conv2d`` weight, by module name.
+
     """
-    convs: dict[str, Any] = {
-        name: model.get_submodule(name)
-        for name, names in mapping.items()
-        if isinstance(model.get_submodule(name), nn.Conv2d) and "weight" in names
-    }
+    convs: dict[str, nn.Conv2d] = {}
+    for name, names in mapping.items():
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Conv2d) and "weight" in names:
+            convs[name] = module
     with preserved_state(model, lossfunc), torch.no_grad():
         with recorded_calls(list(convs.values())) as calls:
             loss = lossfunc(model(x), y)

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..backends import DiffBackPackGGN
 from ..kernels._likelihood_hessians import output_hessians
+from ._data import Data, collect
 
 __all__ = ["LocationFunctionalLaplace", "functional_laplace_on_locations"]
 
@@ -119,23 +120,27 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         self._full_R: torch.Tensor | None = None
         self._full_chol: torch.Tensor | None = None
 
-    def fit(self, train_loader: DataLoader, progress_bar: bool = False) -> None:
+    def fit(self, train_loader: Data, progress_bar: bool = False) -> None:
         """Fit on the locations; ``train_loader`` sets ``N`` (and the batch size).
 
         Parameters
         ----------
-        train_loader : DataLoader
-            The training loader; its data are not used beyond ``len(dataset)``.
+        train_loader : DataLoader, torch.Tensor or tuple
+            The training data, read as :class:`ContextPosterior` reads it (a
+            loader, inputs or ``(x, y)``); not used beyond its size ``N`` and the
+            model's output size.
         progress_bar : bool, default=False
             Show laplace-torch's progress bar.
 
         """
+        train_loader = _as_loader(train_loader)
         if self.output_hessian == "full":
             with torch.no_grad():
                 f = self.model(self.locations.to(self._device))
             self._lam_full = output_hessians(f.to(torch.float64), self.likelihood)
         super().fit(train_loader, progress_bar=progress_bar)
         self._recompute_Sigma = False  # 0.2.3 leaves it set after fitting
+        self._sigma_key = self._hyper_key()
         if self.reweight:
             weight = self.n_data / self.n_subset
             self._prior_factor_sod = 1.0
@@ -145,6 +150,42 @@ class LocationFunctionalLaplace(FunctionalLaplace):
                 self.L = self.L * weight
             self._build_Sigma_inv()
             self._recompute_Sigma = False
+
+    def _hyper_key(self) -> tuple:
+        """The hyperparameters the factor depends on, as plain numbers."""
+        prec = torch.as_tensor(self.prior_precision).detach().reshape(-1).tolist()
+        return (tuple(prec), float(self._H_factor))
+
+    def _ensure_current(self) -> None:
+        """Rebuild the factor if a hyperparameter changed since it was built.
+
+        ``prior_precision``, ``sigma_noise`` and ``temperature`` all enter it;
+        laplace-torch only notices a prior change, and only in ``la(x)``.
+        """
+        if getattr(self, "_sigma_key", None) != self._hyper_key():
+            self._build_Sigma_inv()
+        self._recompute_Sigma = False
+
+    def _refresh_posterior(self) -> None:
+        """laplace-torch 0.3's hook in ``la(x)``: rebuild silently when stale."""
+        self._ensure_current()
+
+    def __call__(self, x: torch.Tensor, pred_type: str = "gp", *args, **kwargs):
+        """laplace-torch's ``la(x, pred_type='gp', ...)``, never with a stale factor.
+
+        Raises
+        ------
+        ValueError
+            For ``pred_type`` other than ``'gp'`` (this is a GP-form posterior).
+
+        """
+        if pred_type != "gp":
+            raise ValueError(
+                f"LocationFunctionalLaplace predicts with pred_type='gp' (its "
+                f"linearised GP predictive); got pred_type={pred_type!r}."
+            )
+        self._ensure_current()
+        return super().__call__(x, pred_type, *args, **kwargs)
 
     def _build_K_star_M(
         self, K_M_star: list[torch.Tensor], joint: bool = False
@@ -174,6 +215,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             independent-output shapes as laplace-torch).
 
         """
+        self._ensure_current()
         if self.independent_outputs:
             return super()._build_K_star_M(K_M_star, joint=joint)
         K = torch.cat(K_M_star, dim=1).permute(1, 3, 0, 2)  # [m, e, a, c]
@@ -197,6 +239,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         reweighting) and the Cholesky factor of ``I + R K_MM R`` in float64.
         """
         super()._build_Sigma_inv()
+        self._sigma_key = self._hyper_key()
         if self.output_hessian != "full" or self._lam_full is None:
             return
         weight = self.n_data / self.n_subset if self.reweight else 1.0
@@ -208,6 +251,64 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         self._full_R = R
         self._full_chol = torch.linalg.cholesky(eye + R @ K @ R)
 
+    def state_dict(self) -> dict[str, Any]:
+        """laplace-torch's state plus the locations; safe for ``weights_only=True``.
+
+        The subset loader (a ``DataLoader`` in laplace-torch's state) is replaced
+        by its batch size and rebuilt from the locations on loading.
+
+        Returns
+        -------
+        dict
+            Tensors and plain values only.
+
+        """
+        state = super().state_dict()
+        state["train_loader"] = None
+        state["sod_batch_size"] = int(self.train_loader.batch_size)
+        state["locations"] = self.locations
+        state["reweight"] = bool(self.reweight)
+        state["output_hessian"] = self.output_hessian
+        state["lam_full"] = self._lam_full
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (laplace-torch's checks, then ours).
+
+        Parameters
+        ----------
+        state_dict : dict
+            From :meth:`state_dict`.
+
+        Raises
+        ------
+        ValueError
+            As laplace-torch (class, parameter count, likelihood), or if the
+            locations' or the options' of the state differ from this object's.
+
+        """
+        if "locations" not in state_dict:
+            raise ValueError("Not a LocationFunctionalLaplace state (no locations).")
+        if tuple(state_dict["locations"].shape) != tuple(self.locations.shape):
+            raise ValueError(
+                f"The state has locations of shape "
+                f"{tuple(state_dict['locations'].shape)}; this object "
+                f"{tuple(self.locations.shape)}."
+            )
+        if (state_dict["reweight"], state_dict["output_hessian"]) != (
+            self.reweight,
+            self.output_hessian,
+        ):
+            raise ValueError("The state was saved with other reweight/output_hessian.")
+        super().load_state_dict(state_dict)
+        self.locations = state_dict["locations"].to(self._device)
+        self._lam_full = state_dict["lam_full"]
+        batch_size = state_dict["sod_batch_size"]
+        loader = DataLoader(TensorDataset(self.locations), batch_size=batch_size)
+        self.train_loader = self._get_SoD_data_loader(loader)
+        self._build_Sigma_inv()
+        self._recompute_Sigma = False
+
     def _get_SoD_data_loader(self, train_loader: DataLoader) -> DataLoader:
         """Locations with MAP pseudo-targets, batched like ``train_loader``."""
         Z = self.locations.to(self._device)
@@ -217,6 +318,15 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         return DataLoader(
             TensorDataset(Z, y), batch_size=train_loader.batch_size, shuffle=False
         )
+
+
+def _as_loader(data: Data) -> DataLoader:
+    """A loader for laplace-torch's ``fit`` from any ``Data`` (see ``_data``)."""
+    if isinstance(data, DataLoader):
+        return data
+    x, y = collect(data)
+    dataset = TensorDataset(x) if y is None else TensorDataset(x, y)
+    return DataLoader(dataset, batch_size=min(len(x), 256), shuffle=False)
 
 
 def functional_laplace_on_locations(

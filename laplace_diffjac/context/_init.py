@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from numbers import Integral
+
 import torch
 
-__all__ = ["initial_locations", "kmeans", "random_subset"]
+from ..errors import InvalidInputError
+
+__all__ = ["check_init", "initial_locations", "kmeans", "random_subset"]
+
+STRATEGIES = ("random", "kmeans")
 
 
 def random_subset(
@@ -104,24 +110,53 @@ def initial_locations(
 
     Raises
     ------
-    ValueError
-        For an unknown strategy or a tensor of the wrong shape.
+    InvalidInputError
+        For ``m`` outside ``[1, N]``, an unknown strategy or a tensor of the
+        wrong shape (a ``ValueError``).
 
     """
+    check_init(x, m, init)
     if isinstance(init, torch.Tensor):
-        if init.shape != (m, *x.shape[1:]):
-            raise ValueError(
-                f"Given locations must have shape {(m, *x.shape[1:])}, "
-                f"got {tuple(init.shape)}."
-            )
         return init.detach().to(device=x.device, dtype=x.dtype).clone()
     if init == "random":
         return random_subset(x, m, generator)
-    if init == "kmeans":
-        return kmeans(x, m, generator)
-    raise ValueError(f"init must be 'random', 'kmeans' or a tensor, got {init!r}.")
+    return kmeans(x, m, generator)
+
+
+def check_init(x: torch.Tensor, m: int, init: object) -> None:
+    """Raise unless ``m`` and ``init`` fit the inputs ``x``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Inputs ``(N, *input_shape)``.
+    m : int
+        Number of locations.
+    init : object
+        ``'random'``, ``'kmeans'`` or locations ``(m, *input_shape)``.
+
+    Raises
+    ------
+    InvalidInputError
+        Naming ``m`` or ``init`` and what is accepted.
+
+    """
+    _check_m(x, m)
+    if isinstance(init, torch.Tensor):
+        if init.shape != (m, *x.shape[1:]):
+            raise InvalidInputError(
+                f"init (the initial locations) must have shape {(m, *x.shape[1:])} "
+                f"(m inputs of the data's feature shape), got {tuple(init.shape)}."
+            )
+    elif not isinstance(init, str) or init not in STRATEGIES:
+        raise InvalidInputError(
+            f"init must be 'random', 'kmeans' or a tensor of locations, got {init!r}."
+        )
 
 
 def _check_m(x: torch.Tensor, m: int) -> None:
-    if not 1 <= m <= x.shape[0]:
-        raise ValueError(f"Need 1 <= m <= N = {x.shape[0]}, got m = {m}.")
+    if isinstance(m, bool) or not isinstance(m, Integral) or not 1 <= m <= x.shape[0]:
+        raise InvalidInputError(
+            f"m (the number of locations) must be an integer with 1 <= m <= N = "
+            f"{x.shape[0]}, got {m!r}."
+        )

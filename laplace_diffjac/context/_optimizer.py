@@ -1,17 +1,10 @@
-"""Optimise context locations through the NTK: the likelihood-weighted Nyström gap.
+"""Optimise context locations: minimise the Nyström gap with Adam on minibatches.
 
-For locations ``Z`` the objective is the Titsias (2009) trace term with the
-prior-scaled GGN/NTK kernel ``k`` and the GGN likelihood Hessians ``Λₙ``::
-
-    G(Z) = Σₙ tr(Λₙ (k(xₙ, xₙ) − k(xₙ, Z) K_ZZ⁻¹ k(Z, xₙ)))
-
-It is the part of the training data's curvature that the Nyström approximation
-through ``Z`` misses (zero when ``Z`` explains every training point), so it is the
-natural loss for choosing the context points of a subset-of-data or DTC
-(:mod:`laplace_diffjac.context`) linearised-Laplace posterior. It is
-estimated without bias on minibatches (``N / b`` times the batch sum) and minimised
-with Adam; Jacobians at ``Z`` stay graph-connected (``enable_backprop=True``), the
-Gram and its Cholesky factor are formed in float64.
+The objective is :func:`laplace_diffjac.context.nystrom_gap`. Everything that does
+not depend on the locations (``Λₙ``, ``tr(Λₙ k(xₙ, xₙ))`` and, when they fit, the
+training inputs' kernel pieces) is computed once (:mod:`._training_cache`); a step
+costs the locations' side of the kernel, ``K_ZZ``, ``K_Zb`` for a minibatch of
+``b`` inputs and one Cholesky factorisation of ``K_ZZ``, whatever ``N`` is.
 """
 
 from __future__ import annotations
@@ -19,31 +12,22 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..backends import BackendSpec, JacobianBackend, as_backend
-from ..kernels import (
-    PriorPrecision,
-    flat_gram,
-    jacobians,
-    jittered_cholesky,
-    n_jacobian_columns,
-    output_hessians,
-    prior_variance,
-)
+from ..backends import BackendSpec, as_backend
+from ..kernels import PriorPrecision
+from ._checks import check_finite, check_fits_model, check_like_model, check_likelihood
 from ._data import Data, collect
-from ._init import initial_locations
+from ._init import check_init, initial_locations
+from ._objective import batch_gap
+from ._routes import Route, make_route
+from ._settings import LocationSettings, resolve_settings
+from ._training_cache import TrainingCache, training_hessians
 
-__all__ = [
-    "LocationHistory",
-    "LocationResult",
-    "nystrom_gap",
-    "optimize_locations",
-]
+__all__ = ["LocationHistory", "LocationResult", "optimize_locations"]
 
 
 @dataclass
@@ -55,9 +39,10 @@ class LocationHistory:
     objective : list of float
         Minibatch estimate of the Nyström gap at every step.
     time : list of float
-        Seconds since the start at every step.
+        Seconds since the start of the steps at every step.
     initial_objective, final_objective : float
-        The gap on the whole data set before and after optimising.
+        The gap on the whole data set before and after optimising; NaN unless
+        ``evaluate_full=True`` (it costs two passes over all ``N`` inputs).
     stopped_early : bool
         Whether early stopping ended the run before ``steps``.
 
@@ -76,154 +61,6 @@ class LocationResult:
 
     locations: torch.Tensor
     history: LocationHistory
-
-
-def nystrom_gap(
-    backend: JacobianBackend,
-    x: torch.Tensor,
-    locations: torch.Tensor,
-    hessians: torch.Tensor,
-    prior_precision: PriorPrecision = 1.0,
-    n_data: int | None = None,
-    jitter: float = 1e-6,
-    chunk_size: int = 256,
-    x_jacobians: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Likelihood-weighted Nyström gap of a batch, differentiable w.r.t. ``Z``.
-
-    ``Σₙ tr(Λₙ (k(xₙ, xₙ) − k(xₙ, Z) K_ZZ⁻¹ k(Z, xₙ)))``, optionally scaled by
-    ``N / b``. Every summand is non-negative, so the minibatch estimate has a small
-    variance. The Jacobians of ``x`` are detached (the result is differentiable
-    with respect to ``Z`` and, through ``J(Z)``, the parameters); those of ``Z``
-    are computed once.
-
-    Parameters
-    ----------
-    backend : laplace.curvature.CurvatureInterface
-        Jacobian backend (see :func:`laplace_diffjac.kernels.ntk`).
-    x : torch.Tensor
-        Training inputs ``(b, *input_shape)``.
-    locations : torch.Tensor
-        ``Z``, ``(M, *input_shape)``; may require grad.
-    hessians : torch.Tensor
-        ``Λₙ`` of the batch, ``(b, C, C)``
-        (:func:`laplace_diffjac.kernels.output_hessians`).
-    prior_precision : float or torch.Tensor, default=1.0
-        Scalar or per-parameter prior precision.
-    n_data : int, optional
-        Size ``N`` of the whole data set: the batch sum is scaled by ``N / b``
-        (an unbiased estimate for a uniformly drawn batch). ``None``: no scaling.
-    jitter : float, default=1e-6
-        Added to ``K_ZZ``'s diagonal, relative to its mean diagonal entry.
-    chunk_size : int, default=256
-        Inputs of ``x`` whose Jacobians are materialised at once.
-    x_jacobians : torch.Tensor, optional
-        The Jacobians ``(b, C, P)`` of ``x`` if already known (they do not depend
-        on ``Z``); they are then not recomputed.
-
-    Returns
-    -------
-    torch.Tensor
-        Scalar, float64.
-
-    """
-    f64 = torch.float64
-    M = locations.shape[0]
-    J_z = jacobians(backend, locations).to(f64)
-    prior_var = prior_variance(prior_precision, J_z.shape[-1], J_z)
-    C = J_z.shape[1]
-    L = jittered_cholesky(flat_gram(J_z, J_z, prior_var), jitter)
-    gap = torch.zeros((), dtype=f64, device=L.device)
-    known = (
-        torch.split(x_jacobians, chunk_size)
-        if x_jacobians is not None
-        else [None] * len(torch.split(x, chunk_size))
-    )
-    for xc, lam, J_x in zip(
-        torch.split(x, chunk_size), torch.split(hessians, chunk_size), known
-    ):
-        b = xc.shape[0]
-        if J_x is None:
-            J_x = jacobians(backend, xc, enable_backprop=False)
-        J_x = J_x.detach().to(f64)
-        lam = lam.to(f64)
-        K_nn = torch.einsum("bcp,bep->bce", J_x * prior_var, J_x)
-        K_zx = flat_gram(J_z, J_x, prior_var)
-        V = torch.linalg.solve_triangular(L, K_zx, upper=False).reshape(M * C, b, C)
-        explained = torch.einsum("kbc,bce,kbe->", V, lam, V)
-        gap = gap + torch.einsum("bce,bce->", lam, K_nn) - explained
-    return gap * (n_data / x.shape[0]) if n_data is not None else gap
-
-
-def _hessians(
-    model: nn.Module, x: torch.Tensor, likelihood: str, sigma_noise: Any, temp: float
-) -> torch.Tensor:
-    with torch.no_grad():
-        f = model(x)
-    return output_hessians(f, likelihood, sigma_noise, temp)
-
-
-class _TrainingCache:
-    """What does not depend on ``Z``: ``Λₙ`` and (if they fit) ``J(xₙ)``, once."""
-
-    def __init__(
-        self,
-        backend: JacobianBackend,
-        model: nn.Module,
-        X: torch.Tensor,
-        likelihood: str,
-        lik: tuple,
-        cache_jacobians: bool | None,
-        chunk_size: int,
-        device: torch.device,
-    ) -> None:
-        self.X = X
-        with torch.no_grad():
-            self.hessians = torch.cat(
-                [
-                    _hessians(model, xc.to(device), likelihood, *lik)
-                    for xc in torch.split(X, chunk_size)
-                ]
-            )
-        C = self.hessians.shape[-1]
-        n_params = n_jacobian_columns(backend)
-        size = X.shape[0] * C * n_params * X.element_size()
-        if cache_jacobians is None:
-            cache_jacobians = size <= _JACOBIAN_CACHE_BYTES
-        self.jacobians: torch.Tensor | None = None
-        if cache_jacobians:
-            with torch.no_grad():
-                self.jacobians = torch.cat(
-                    [
-                        jacobians(backend, xc.to(device), enable_backprop=False)
-                        for xc in torch.split(X, chunk_size)
-                    ]
-                )
-
-    def batch(self, idx: torch.Tensor | slice, device: torch.device) -> tuple:
-        J = None if self.jacobians is None else self.jacobians[idx]
-        return self.X[idx].to(device), self.hessians[idx], J
-
-
-_JACOBIAN_CACHE_BYTES = 512 * 2**20
-
-
-def _full_gap(
-    backend: JacobianBackend,
-    cache: _TrainingCache,
-    Z: torch.Tensor,
-    kwargs: dict[str, Any],
-    batch_size: int,
-) -> float:
-    total = 0.0
-    N = cache.X.shape[0]
-    with torch.no_grad():
-        for start in range(0, N, batch_size):
-            xb, lam, J = cache.batch(slice(start, start + batch_size), Z.device)
-            total += float(
-                nystrom_gap(backend, xb, Z, lam, x_jacobians=J, **kwargs["gap"])
-            )
-    return total
 
 
 def optimize_locations(
@@ -246,6 +83,9 @@ def optimize_locations(
     progress_bar: bool = True,
     chunk_size: int = 256,
     cache_jacobians: bool | None = None,
+    evaluate_full: bool = False,
+    structured: bool | None = None,
+    settings: LocationSettings | None = None,
 ) -> LocationResult:
     """Choose ``M`` context locations that minimise the likelihood-weighted Nyström gap.
 
@@ -258,11 +98,12 @@ def optimize_locations(
     data : DataLoader, torch.Tensor or tuple
         Training data: a loader of ``(x, y)`` batches, inputs ``(N, ...)`` or
         ``(x, y)``. Only the inputs are used; they are gathered once (memory linear
-        in ``N``) and minibatches are drawn from them.
+        in ``N``), cast to the model's dtype, and minibatches are drawn from them.
     m : int
-        Number of locations ``M``.
+        Number of locations ``M``, ``1 <= M <= N``.
     init : {'kmeans', 'random'} or torch.Tensor, default='kmeans'
-        Initialisation strategy or initial locations ``(M, *input_shape)``.
+        Initialisation strategy or initial locations ``(M, *input_shape)`` in the
+        model's dtype and on its device.
     backend : type or backend instance, optional
         Jacobian backend; default ``DiffBackPackGGN``.
     prior_precision : float or torch.Tensor, default=1.0
@@ -271,31 +112,14 @@ def optimize_locations(
         Observation noise for regression.
     temperature : float, default=1.0
         Likelihood temperature.
-    steps : int, default=200
-        Maximum number of Adam steps.
-    lr : float, optional
-        Adam learning rate; default ``0.05`` times the inputs' mean standard
-        deviation per feature.
-    batch_size : int, default=256
-        Minibatch size over the training inputs.
-    patience : int, default=50
-        Stop after this many steps without a relative improvement of ``rel_tol``
-        in the smoothed (EMA) objective; ``0`` disables early stopping.
-    rel_tol : float, default=1e-4
-        Relative improvement that counts.
-    jitter : float, default=1e-6
-        Relative diagonal jitter of ``K_ZZ``.
-    seed : int, default=0
-        Seeds initialisation and minibatch order.
-    progress_bar : bool, default=True
-        Show a tqdm progress bar.
-    chunk_size : int, default=256
-        Inputs whose Jacobians are materialised at once.
-    cache_jacobians : bool, optional
-        Compute the training inputs' Jacobians ``(N, C, P)`` once and reuse them
-        at every step (they do not depend on ``Z``; only ``J(Z)`` is recomputed).
-        ``None``: cache when they take at most 512 MiB. The likelihood Hessians
-        ``Λₙ`` are always computed once.
+    steps, lr, batch_size, patience, rel_tol, jitter, seed, progress_bar, \
+chunk_size, cache_jacobians, evaluate_full, structured
+        The optimiser's options, documented in :class:`LocationSettings`
+        (defaults ``200, None, 256, 50, 1e-4, 1e-6, 0, True, 256, None, False,
+        None``).
+    settings : LocationSettings, optional
+        The same options as one object; then leave the keywords above at their
+        defaults.
 
     Returns
     -------
@@ -303,69 +127,175 @@ def optimize_locations(
         ``locations`` ``(M, *input_shape)`` (detached, on the model's device) and
         the history.
 
-    """
-    param = next(iter(model.parameters()))
-    device, dtype = param.device, param.dtype
-    X, _ = collect(data)
-    X = X.to(dtype)
-    N = X.shape[0]
-    gen = torch.Generator().manual_seed(seed)
-    Z0 = initial_locations(X, m, init, gen).to(device)
-    backend = as_backend(model, likelihood, backend)
-    kwargs = {
-        "lik": (sigma_noise, temperature),
-        "gap": {
-            "prior_precision": prior_precision,
-            "jitter": jitter,
-            "chunk_size": chunk_size,
-        },
-    }
-    if lr is None:
-        lr = 0.05 * float(X.reshape(N, -1).std(dim=0).mean().clamp_min(1e-8))
-    history = LocationHistory()
-    cache = _TrainingCache(
-        backend,
-        model,
-        X,
-        likelihood,
-        kwargs["lik"],
-        cache_jacobians,
-        chunk_size,
-        device,
-    )
-    history.initial_objective = _full_gap(backend, cache, Z0, kwargs, batch_size)
+    Raises
+    ------
+    InvalidInputError
+        Before any work starts: for an unknown likelihood, an option out of
+        range, ``m`` outside ``[1, N]``, an unknown ``init``, non-finite inputs or
+        locations, inputs or locations the model does not accept, or locations
+        in another dtype or on another device than the model.
+    ValueError
+        For an invalid prior precision, or ``structured=True`` where the
+        structured route does not apply.
 
+    """
+    options = dict(
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        patience=patience,
+        rel_tol=rel_tol,
+        jitter=jitter,
+        seed=seed,
+        progress_bar=progress_bar,
+        chunk_size=chunk_size,
+        cache_jacobians=cache_jacobians,
+        evaluate_full=evaluate_full,
+        structured=structured,
+    )
+    s = resolve_settings(settings, options)
+    check_likelihood(likelihood)
+    X = _checked_inputs(model, data, m, init)
+    device = next(model.parameters()).device
+    Z0 = initial_locations(X, m, init, torch.Generator().manual_seed(s.seed))
+    route = make_route(
+        as_backend(model, likelihood, backend), prior_precision, s.structured, device
+    )
+    lam = training_hessians(
+        model, X, likelihood, sigma_noise, temperature, s.chunk_size
+    )
+    cache = TrainingCache(route, X, lam, s.cache_jacobians, s.chunk_size)
+    return _optimise(route, cache, Z0.to(device), s)
+
+
+def _checked_inputs(
+    model: nn.Module, data: Data, m: int, init: str | torch.Tensor
+) -> torch.Tensor:
+    """The training inputs in the model's dtype, after every check on the inputs."""
+    X, _ = collect(data)
+    check_finite(X, "data")
+    check_init(X, m, init)
+    if isinstance(init, torch.Tensor):
+        check_like_model(init, "init", model)
+        check_finite(init, "init")
+    X = X.to(next(model.parameters()).dtype)
+    check_fits_model(X, "data", model)
+    return X
+
+
+def _optimise(
+    route: Route, cache: TrainingCache, Z0: torch.Tensor, s: LocationSettings
+) -> LocationResult:
+    history = LocationHistory()
+    if s.evaluate_full:
+        history.initial_objective = _full_gap(route, cache, Z0, s)
+    lr = s.lr if s.lr is not None else _default_lr(cache.X)
     Z = Z0.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([Z], lr=lr)
-    b = min(batch_size, N)
-    order = torch.randperm(N, generator=gen)
-    cursor, best, ema, since_best = 0, math.inf, None, 0
+    batches = _Minibatches(len(cache), s.batch_size, s.seed)
+    stopper = _EarlyStopping(s.patience, s.rel_tol)
     start = time.perf_counter()
-    bar = tqdm(range(steps), desc="Locations", disable=not progress_bar)
+    bar = tqdm(range(s.steps), desc="Locations", disable=not s.progress_bar)
     for _ in bar:
-        if cursor + b > N:
-            order, cursor = torch.randperm(N, generator=gen), 0
-        xb, lam, J_x = cache.batch(order[cursor : cursor + b], device)
-        cursor += b
-        loss = nystrom_gap(
-            backend, xb, Z, lam, n_data=N, x_jacobians=J_x, **kwargs["gap"]
-        )
-        (grad,) = torch.autograd.grad(loss, Z)
-        Z.grad = grad
+        pieces, lam, trace = cache.batch(batches.next())
+        loss = batch_gap(
+            route, route.pieces(Z, graph=True), pieces, lam, trace, s.jitter
+        ) * (len(cache) / len(trace))
+        (Z.grad,) = torch.autograd.grad(loss, Z)
         optimizer.step()
         value = float(loss.detach())
         history.objective.append(value)
         history.time.append(time.perf_counter() - start)
-        ema = value if ema is None else 0.9 * ema + 0.1 * value
         bar.set_postfix(objective=f"{value:.4g}")
-        if math.isinf(best) or ema < best - rel_tol * abs(best):
-            best, since_best = ema, 0
-        else:
-            since_best += 1
-        if patience and since_best >= patience:
+        if stopper.stop(value):
             history.stopped_early = True
             break
     bar.close()
     locations = Z.detach()
-    history.final_objective = _full_gap(backend, cache, locations, kwargs, batch_size)
+    if s.evaluate_full:
+        history.final_objective = _full_gap(route, cache, locations, s)
     return LocationResult(locations, history)
+
+
+def _default_lr(X: torch.Tensor) -> float:
+    """``0.05`` times the inputs' mean standard deviation per feature."""
+    std = (
+        X.reshape(X.shape[0], -1).std(dim=0).mean()
+        if X.shape[0] > 1
+        else X.new_ones(())
+    )
+    return 0.05 * float(std.clamp_min(1e-8))
+
+
+def _full_gap(
+    route: Route, cache: TrainingCache, Z: torch.Tensor, s: LocationSettings
+) -> float:
+    total = 0.0
+    with torch.no_grad():
+        z_pieces = route.pieces(Z, graph=False)
+        for start in range(0, len(cache), s.batch_size):
+            pieces, lam, trace = cache.batch(slice(start, start + s.batch_size))
+            total += float(batch_gap(route, z_pieces, pieces, lam, trace, s.jitter))
+    return total
+
+
+def stream_seed(seed: int, stream: int) -> int:
+    """A 63-bit seed for stream ``stream`` of ``seed`` (SplitMix64 finaliser).
+
+    Stream 0 is not used: ``torch.Generator().manual_seed(seed)`` is the
+    initialisation's stream, so a random subset drawn with it never shares its
+    permutation with the minibatch order (stream 1).
+
+    Parameters
+    ----------
+    seed : int
+        The user's seed.
+    stream : int
+        Index of the stream, ``>= 1``.
+
+    Returns
+    -------
+    int
+        Seed in ``[0, 2⁶³)``.
+
+    """
+    mask = 2**64 - 1
+    z = (seed + stream * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
+
+
+class _Minibatches:
+    """Uniform minibatches without replacement within a pass (own random stream)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n, self.b = n, min(batch_size, n)
+        self.gen = torch.Generator().manual_seed(stream_seed(seed, 1))
+        self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
+
+    def next(self) -> torch.Tensor:
+        if self.cursor + self.b > self.n:
+            self.order, self.cursor = torch.randperm(self.n, generator=self.gen), 0
+        idx = self.order[self.cursor : self.cursor + self.b]
+        self.cursor += self.b
+        return idx
+
+
+class _EarlyStopping:
+    """Stop after ``patience`` steps without a relative improvement of the EMA."""
+
+    def __init__(self, patience: int, rel_tol: float) -> None:
+        self.patience, self.rel_tol = patience, rel_tol
+        self.best, self.since_best = math.inf, 0
+        self.ema: float | None = None
+
+    def stop(self, value: float) -> bool:
+        self.ema = value if self.ema is None else 0.9 * self.ema + 0.1 * value
+        if math.isinf(self.best) or self.ema < self.best - self.rel_tol * abs(
+            self.best
+        ):
+            self.best, self.since_best = self.ema, 0
+        else:
+            self.since_best += 1
+        return bool(self.patience) and self.since_best >= self.patience

@@ -8,47 +8,49 @@ covariance at test inputs is::
 
     Σ** = K** − K*Z (K_ZZ⁻¹ − (K_ZZ + K_ZX Λ K_XZ)⁻¹) K_Z*
 
-and the mean is the MAP network's output (the linearised predictive). ``K_ZX Λ K_XZ``
-is accumulated over minibatches, so memory is linear in ``N`` only through the data
-loader and, beyond one minibatch's Jacobians, depends on ``P`` only through the
-stored ``J(Z)`` (``M × C × P``). With ``Z = X`` (``M = N``) and an invertible
-``K_XX`` this is exactly the full-data GGN Laplace predictive.
+and the mean is the MAP network's output (the linearised predictive). ``fit``
+accumulates ``K_ZX Λ K_XZ`` (per prior group, without the ``1 / (σ² T)`` factor;
+:mod:`~laplace_diffjac.context._state`) over minibatches, so memory is linear in
+``N`` only through the data loader. With ``Z = X`` (``M = N``) and an invertible
+``K_XX`` this is exactly the full-data GGN Laplace predictive, and
+:meth:`ContextPosterior.log_marginal_likelihood` its evidence; for any other ``Z``
+the evidence is a lower bound (derivation in :mod:`~laplace_diffjac.context._evidence`).
 
 The factor is computed in float64 as ``K_ZZ = L Lᵀ``,
 ``L⁻¹ (K_ZX Λ K_XZ) L⁻ᵀ = U diag(s) Uᵀ`` and ``W = L⁻ᵀ U diag(√(s / (1 + s)))``, so
 ``Σ** = K** − (K*Z W)(K*Z W)ᵀ`` needs no inverse of ``Λ`` (singular for softmax).
+It is rebuilt whenever ``prior_precision``, ``sigma_noise`` or ``temperature``
+changed since it was last built: never a stale answer.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..backends import BackendSpec, DiffBackPackGGN, as_backend
-from ..kernels import (
-    PriorPrecision,
-    flat_gram,
-    jacobians,
-    jittered_cholesky,
-    output_hessians,
-    prior_variance,
-)
-from ._data import Data, input_batches
+from ..kernels import PriorPrecision, flat_gram, jacobians
+from ._data import Data, collect
+from ._evidence import dtc_factor
+from ._hyperparameters import PriorGroups, infer_structure
+from ._laplace_api import LaplaceInterface, layer_sizes
+from ._predictive import gaussian_samples, link_probabilities
+from ._state import Accumulators
+from ._training_data import check_inputs, xy_batches
 
 __all__ = ["ContextPosterior"]
 
-_LINKS = ("probit", "mc", "bridge", "bridge_norm")
 
-
-class ContextPosterior:
+class ContextPosterior(LaplaceInterface):
     """DTC linearised-Laplace posterior through context locations.
 
     Call it like a laplace-torch Laplace object: ``la(x)`` returns ``(mean, var)``
     for regression (latent variance without observation noise, as laplace-torch)
-    and class probabilities for classification.
+    and class probabilities for classification. ``log_marginal_likelihood``,
+    ``optimize_prior_precision``, ``state_dict`` and ``load_state_dict`` work as
+    laplace-torch's.
 
     Parameters
     ----------
@@ -57,11 +59,11 @@ class ContextPosterior:
     likelihood : {'regression', 'classification'}
         The likelihood.
     locations : torch.Tensor
-        Context locations ``Z``, ``(M, *input_shape)``.
-    sigma_noise : float, default=1.0
+        Context locations ``Z``, ``(M, *input_shape)``, finite, in the model's dtype.
+    sigma_noise : float or torch.Tensor, default=1.0
         Observation noise (regression); may be changed after ``fit``.
     prior_precision : float or torch.Tensor, default=1.0
-        Scalar or per-parameter ``(P,)`` prior precision, fixed at ``fit``.
+        Scalar, layerwise ``(n_layers,)`` or per-parameter ``(P,)``.
     temperature : float, default=1.0
         Likelihood temperature; may be changed after ``fit``.
     backend : type or backend instance, default=DiffBackPackGGN
@@ -72,6 +74,21 @@ class ContextPosterior:
         Diagonal jitter of ``K_ZZ`` relative to its mean diagonal entry.
     batch_size : int, default=256
         Minibatch size when ``fit`` gets tensors.
+    prior_mean : float or torch.Tensor, default=0.0
+        Prior mean ``μ₀`` (scalar or ``(P,)``); enters the evidence only.
+    prior_structure : {'scalar', 'layerwise', 'diag'}, optional
+        Which prior precisions may be set after ``fit`` without a new pass over
+        the data (default: that of ``prior_precision``); see
+        :mod:`~laplace_diffjac.context._hyperparameters`. ``'layerwise'`` keeps
+        ``n_layers²`` blocks of ``(MC)²``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown likelihood, ``sigma_noise != 1`` with classification or an
+        invalid prior precision or structure.
+    InvalidInputError
+        For locations that are not finite, not in the model's dtype or not batched.
 
     """
 
@@ -80,48 +97,51 @@ class ContextPosterior:
         model: nn.Module,
         likelihood: str,
         locations: torch.Tensor,
-        sigma_noise: float = 1.0,
+        sigma_noise: float | torch.Tensor = 1.0,
         prior_precision: PriorPrecision = 1.0,
         temperature: float = 1.0,
         backend: BackendSpec = DiffBackPackGGN,
         enable_backprop: bool = False,
         jitter: float = 1e-8,
         batch_size: int = 256,
+        prior_mean: float | torch.Tensor = 0.0,
+        prior_structure: str | None = None,
     ) -> None:
         if likelihood not in ("regression", "classification"):
-            raise ValueError(f"Unsupported likelihood {likelihood!r}.")
-        if likelihood == "classification" and sigma_noise != 1:
-            raise ValueError("sigma_noise != 1 only available for regression.")
+            raise ValueError(
+                "likelihood must be 'regression' or 'classification', got "
+                f"{likelihood!r}."
+            )
+        param = next(iter(model.parameters()))
+        check_inputs(locations, "locations", param.dtype, None)
         self.model = model
         self.likelihood = likelihood
         self.locations = locations.detach()
-        self.sigma_noise = sigma_noise
-        self.prior_precision = prior_precision
-        self.temperature = temperature
         self.backend = as_backend(model, likelihood, backend)
+        self._dtype, self._device = param.dtype, param.device
+        self._layer_sizes = layer_sizes(self.backend)
+        self.prior_precision = prior_precision
+        self.sigma_noise = sigma_noise
+        self.temperature = temperature
+        self.prior_mean = prior_mean
+        infer_structure(prior_structure, self.prior_precision, self.n_layers)
+        self._structure_request = prior_structure
         self.enable_backprop = enable_backprop
         self.jitter = jitter
         self.batch_size = batch_size
-        self.n_data = 0
-        self._J_z: torch.Tensor | None = None
-        self._prior_var: torch.Tensor | None = None
-        self._B: torch.Tensor | None = None  # K_ZX Λ̃ K_XZ, Λ̃ without the factor
+        self._acc: Accumulators | None = None
+        self._groups: PriorGroups | None = None
         self._W: torch.Tensor | None = None
         self._W_key: tuple | None = None
 
-    @property
-    def _H_factor(self) -> float:
-        sigma2 = float(self.sigma_noise) ** 2 if self.likelihood == "regression" else 1
-        return 1.0 / (sigma2 * self.temperature)
-
     def fit(self, train_loader: Data, progress_bar: bool = False) -> ContextPosterior:
-        """Accumulate ``K_ZX Λ K_XZ`` over the training data.
+        """Accumulate the data's sums (``K_ZX Λ K_XZ``, GGN diagonal, loss).
 
         Parameters
         ----------
         train_loader : DataLoader, torch.Tensor or tuple
             Training data: a loader of ``(x, y)`` batches, inputs or ``(x, y)``.
-            Targets are not used (``Λ`` depends on the MAP output only).
+            The posterior needs no targets; the evidence does.
         progress_bar : bool, default=False
             Show a tqdm progress bar.
 
@@ -130,50 +150,104 @@ class ContextPosterior:
         ContextPosterior
             ``self``.
 
+        Raises
+        ------
+        InvalidInputError
+            For training inputs that are not finite, have another feature shape
+            than the locations or another dtype than the model (before any work
+            for tensors; for a loader the posterior is left as it was).
+
         """
-        f64 = torch.float64
-        device = next(iter(self.model.parameters())).device
-        Z = self.locations.to(device)
-        J_z = jacobians(self.backend, Z, enable_backprop=False).to(f64)
-        self._prior_var = prior_variance(self.prior_precision, J_z.shape[-1], J_z)
-        self._J_z = J_z
-        M, C, _ = J_z.shape
-        B = torch.zeros(M * C, M * C, dtype=f64, device=device)
-        n = 0
-        batches = input_batches(train_loader, self.batch_size)
-        for xb in tqdm(batches, disable=not progress_bar):
-            xb = xb.to(device)
-            with torch.no_grad():
-                Js, f = self.backend.jacobians(xb, enable_backprop=False)
-            lam = output_hessians(f.to(f64), self.likelihood)  # without 1/(σ² T)
-            K_zx = flat_gram(J_z, Js.to(f64), self._prior_var).reshape(M * C, -1, C)
-            B += torch.einsum("kbc,bce,lbe->kl", K_zx, lam, K_zx)
-            n += xb.shape[0]
-        self._B = 0.5 * (B + B.T)
-        self.n_data = n
+        if not isinstance(train_loader, DataLoader):  # all inputs at once, up front
+            x, _ = collect(train_loader)
+            check_inputs(x, "train_loader", self._dtype, self.locations.shape[1:])
+        prec = self.prior_precision.detach()
+        structure = infer_structure(self._structure_request, prec, self.n_layers)
+        groups = PriorGroups.build(structure, prec, self._layer_sizes)
+        Z = self.locations.to(self._device)
+        J_z = jacobians(self.backend, Z, enable_backprop=False).to(torch.float64)
+        acc = Accumulators.empty(J_z.detach(), groups)
+        self._accumulate(acc, groups, train_loader, progress_bar)
+        self._acc, self._groups, self._W = acc, groups, None
+        return self
+
+    def update(
+        self, x_new: torch.Tensor, y_new: torch.Tensor | None = None
+    ) -> ContextPosterior:
+        """Fold new data into the posterior without touching the old data.
+
+        Costs ``O(b (MC)²)`` per group pair plus the new Jacobians; the result
+        equals ``fit`` on the union of the data (the sums are additive).
+
+        Parameters
+        ----------
+        x_new : torch.Tensor
+            ``(b, *input_shape)``.
+        y_new : torch.Tensor, optional
+            ``(b, ...)`` targets; without them the evidence is unavailable.
+
+        Returns
+        -------
+        ContextPosterior
+            ``self``.
+
+        Raises
+        ------
+        RuntimeError
+            Before ``fit``.
+        InvalidInputError
+            As for :meth:`fit`.
+
+        """
+        acc, groups = self._fitted()
+        check_inputs(x_new, "x_new", self._dtype, self.locations.shape[1:])
+        data = x_new if y_new is None else (x_new, y_new)
+        self._accumulate(acc, groups, data, progress_bar=False)
         self._W = None
         return self
 
+    def _accumulate(
+        self, acc: Accumulators, groups: PriorGroups, data: Data, progress_bar: bool
+    ) -> None:
+        batches = xy_batches(data, self.batch_size)
+        for xb, yb in tqdm(batches, disable=not progress_bar):
+            check_inputs(xb, "train_loader", self._dtype, self.locations.shape[1:])
+            with torch.no_grad():
+                Js, f = self._jacobians(xb.to(self._device), enable_backprop=False)
+            acc.add(Js, f, yb, groups, self.likelihood)
+
+    def _jacobians(self, x: torch.Tensor, enable_backprop: bool) -> tuple:
+        if getattr(self.backend, "last_layer", False):
+            return self.backend.last_layer_jacobians(x, enable_backprop=enable_backprop)
+        return self.backend.jacobians(x, enable_backprop=enable_backprop)
+
     def _factor(self) -> torch.Tensor:
-        if self._B is None or self._J_z is None:
-            raise RuntimeError("Call fit before predicting.")
-        key = (self._H_factor,)
+        acc, _ = self._fitted()
+        s, _, h = self._scales()
+        key = (tuple(s.detach().tolist()), float(h))
         if self._W is not None and self._W_key == key:
             return self._W
-        J_z = self._J_z
-        L = jittered_cholesky(flat_gram(J_z, J_z, self._prior_var), self.jitter)
-        B = self._B * self._H_factor
-        A = torch.linalg.solve_triangular(L, B, upper=False)
-        A = torch.linalg.solve_triangular(L, A.T, upper=False)
-        s, U = torch.linalg.eigh(0.5 * (A + A.T))
-        s = s.clamp_min(0)
-        W = torch.linalg.solve_triangular(L.T, U * torch.sqrt(s / (1 + s)), upper=True)
+        L, A = dtc_factor(acc, s.detach(), h.detach(), self.jitter)
+        ev, U = torch.linalg.eigh(A)
+        ev = ev.clamp_min(0)
+        W = torch.linalg.solve_triangular(
+            L.T, U * torch.sqrt(ev / (1 + ev)), upper=True
+        )
         self._W, self._W_key = W, key
         return W
 
+    def _kernel_prior_var(self) -> torch.Tensor:
+        """``Σ₀`` for test kernels: ``()`` if scalar-structured, else ``(P,)``."""
+        _, groups = self._fitted()
+        s, prior_var, _ = self._scales()
+        if groups.structure == "scalar":
+            return s.detach()[0]
+        return prior_var.detach()
+
     def _k_star_z(self, Js: torch.Tensor) -> torch.Tensor:
         """``K*Z`` as ``(B*, C, M*C)`` in float64."""
-        K = flat_gram(Js.to(torch.float64), self._J_z, self._prior_var)
+        acc, _ = self._fitted()
+        K = flat_gram(Js.to(torch.float64), acc.J_z, self._kernel_prior_var())
         return K.reshape(Js.shape[0], Js.shape[1], -1)
 
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
@@ -192,7 +266,8 @@ class ContextPosterior:
         """
         W = self._factor()
         Js64 = Js.to(torch.float64)
-        K_ss = torch.einsum("bcp,bep->bce", Js64 * self._prior_var, Js64)
+        var = self._kernel_prior_var()
+        K_ss = torch.einsum("bcp,bep->bce", Js64 * var, Js64)
         V = self._k_star_z(Js) @ W  # (B*, C, r)
         return (K_ss - V @ V.transpose(1, 2)).to(Js.dtype)
 
@@ -212,14 +287,14 @@ class ContextPosterior:
         """
         W = self._factor()
         J = Js.to(torch.float64).reshape(-1, Js.shape[-1])
-        K_ss = (J * self._prior_var) @ J.T
+        K_ss = (J * self._kernel_prior_var()) @ J.T
         V = self._k_star_z(Js).reshape(J.shape[0], -1) @ W
         return (K_ss - V @ V.T).to(Js.dtype)
 
     def _glm_predictive_distribution(
         self, x: torch.Tensor, joint: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        Js, f = self.backend.jacobians(x, enable_backprop=self.enable_backprop)
+        Js, f = self._jacobians(x, enable_backprop=self.enable_backprop)
         if joint:
             mean, var = f.flatten(), self.functional_covariance(Js)
         else:
@@ -237,6 +312,7 @@ class ContextPosterior:
         n_samples: int = 100,
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
+        fitting: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Posterior predictive, as laplace-torch's ``la(x, pred_type='glm')``.
 
@@ -258,6 +334,8 @@ class ContextPosterior:
             ``'mc'``: sample with a diagonal covariance.
         generator : torch.Generator, optional
             Random generator for ``'mc'``.
+        fitting : bool, default=False
+            Accepted for laplace-torch's ``validate``; no effect.
 
         Returns
         -------
@@ -273,26 +351,21 @@ class ContextPosterior:
 
         """
         if pred_type not in ("glm", "gp"):
-            raise ValueError("ContextPosterior supports pred_type='glm' (or 'gp').")
-        if link_approx not in _LINKS:
-            raise ValueError(f"Unsupported link approximation {link_approx!r}.")
+            raise ValueError(f"pred_type must be 'glm' or 'gp', got {pred_type!r}.")
         regression = self.likelihood == "regression"
         f_mu, f_var = self._glm_predictive_distribution(x, joint=joint and regression)
         if regression:
             if diagonal_output and not joint:
                 f_var = f_var.diagonal(dim1=-2, dim2=-1)
             return f_mu, f_var
-        if link_approx == "mc":
-            samples = self._samples(f_mu, f_var, n_samples, diagonal_output, generator)
-            return samples.softmax(dim=-1).mean(dim=0)
-        if link_approx == "probit":
-            kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
-            return torch.softmax(kappa * f_mu, dim=-1)
-        return _laplace_bridge(f_mu, f_var, normalise=link_approx == "bridge_norm")
+        return link_probabilities(
+            f_mu, f_var, link_approx, n_samples, diagonal_output, generator
+        )
 
     def predictive_samples(
         self,
         x: torch.Tensor,
+        pred_type: str = "glm",
         n_samples: int = 100,
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
@@ -303,6 +376,8 @@ class ContextPosterior:
         ----------
         x : torch.Tensor
             ``(B*, *input_shape)``.
+        pred_type : {'glm', 'gp'}, default='glm'
+            As laplace-torch's; both mean the linearised predictive.
         n_samples : int, default=100
             Number of samples.
         diagonal_output : bool, default=False
@@ -315,53 +390,14 @@ class ContextPosterior:
         torch.Tensor
             ``(n_samples, B*, C)``.
 
+        Raises
+        ------
+        ValueError
+            For an unsupported ``pred_type``.
+
         """
+        if pred_type not in ("glm", "gp"):
+            raise ValueError(f"pred_type must be 'glm' or 'gp', got {pred_type!r}.")
         f_mu, f_var = self._glm_predictive_distribution(x)
-        samples = self._samples(f_mu, f_var, n_samples, diagonal_output, generator)
+        samples = gaussian_samples(f_mu, f_var, n_samples, diagonal_output, generator)
         return samples if self.likelihood == "regression" else samples.softmax(-1)
-
-    @staticmethod
-    def _samples(
-        f_mu: torch.Tensor,
-        f_var: torch.Tensor,
-        n_samples: int,
-        diagonal_output: bool,
-        generator: torch.Generator | None,
-    ) -> torch.Tensor:
-        if diagonal_output:
-            f_var = torch.diag_embed(f_var.diagonal(dim1=-2, dim2=-1))
-        C = f_mu.shape[-1]
-        eye = torch.eye(C, dtype=torch.float64, device=f_mu.device)
-        var = f_var.to(torch.float64)
-        scale = 1e-10 * var.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
-        L = torch.linalg.cholesky(var + scale[:, None, None] * eye).to(f_mu.dtype)
-        eps = torch.randn(
-            (n_samples, *f_mu.shape),
-            generator=generator,
-            device=f_mu.device,
-            dtype=f_mu.dtype,
-        )
-        return f_mu + torch.einsum("bce,sbe->sbc", L, eps)
-
-
-def _laplace_bridge(
-    f_mu: torch.Tensor, f_var: torch.Tensor, normalise: bool
-) -> torch.Tensor:
-    """Laplace bridge, as laplace-torch's ``link_approx='bridge'``/``'bridge_norm'``."""
-    f_mu = f_mu - (
-        f_var.sum(-1)
-        * f_mu.sum(-1).reshape(-1, 1)
-        / f_var.sum(dim=(1, 2)).reshape(-1, 1)
-    )
-    f_var = f_var - torch.einsum(
-        "bi,bj->bij", f_var.sum(-1), f_var.sum(-2)
-    ) / f_var.sum(dim=(1, 2)).reshape(-1, 1, 1)
-    K = f_mu.shape[-1]
-    f_var_diag = torch.diagonal(f_var, dim1=1, dim2=2)
-    if normalise:
-        mean_var = f_var_diag.mean(dim=1) / math.sqrt(K / 2)
-        f_mu = f_mu / mean_var.sqrt().unsqueeze(-1)
-        f_var_diag = f_var_diag / mean_var.unsqueeze(-1)
-    sum_exp = torch.exp(-f_mu).sum(dim=1).unsqueeze(-1)
-    alpha = (1 - 2 / K + f_mu.exp() / K**2 * sum_exp) / f_var_diag
-    return torch.nan_to_num(alpha / alpha.sum(dim=1).unsqueeze(-1), nan=1.0)

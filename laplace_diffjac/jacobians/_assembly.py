@@ -26,7 +26,7 @@ Factor kinds, for ``V`` rows (outputs), ``B`` samples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
@@ -164,14 +164,14 @@ Factors = Union[Product, Summed, Dense]
 
 #: One entry of the layout: factor kind, first column, number of columns,
 #: whether the block adds to an earlier one (shared modules).
-_Entry = tuple[type, int, int, bool]
+_Entry = tuple[Union[type[Product], type[Summed], type[Dense]], int, int, bool]
 
 
 class _Assemble(torch.autograd.Function):
     """``(B, V, P)`` Jacobian from factors; inputs are the factors' tensors."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         layout: tuple[_Entry, ...],
         shape: tuple[int, int, int],
@@ -182,7 +182,7 @@ class _Assemble(torch.autograd.Function):
         J = torch.empty(shape, dtype=like[0], device=like[1])
         for start, stop in uncovered:
             J[:, :, start:stop].zero_()
-        for (kind, start, size, accumulate), args in _split(layout, tensors):
+        for (kind, start, size, accumulate), args in _with_tensors(layout, tensors):
             kind.write(J[:, :, start : start + size], accumulate, *args)
         ctx.layout = layout
         ctx.save_for_backward(*tensors)
@@ -192,12 +192,14 @@ class _Assemble(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grads: list[torch.Tensor | None] = [None, None, None, None]
         tensors = ctx.saved_tensors
-        for (kind, start, size, _), args in _split(ctx.layout, tensors):
+        for (kind, start, size, _), args in _with_tensors(ctx.layout, tensors):
             grads.extend(kind.backward(grad[:, :, start : start + size], *args))
         return tuple(grads)
 
 
-def _split(layout: Sequence[_Entry], tensors: Sequence[torch.Tensor]):
+def _with_tensors(
+    layout: Sequence[_Entry], tensors: Sequence[torch.Tensor]
+) -> Iterator[tuple[_Entry, Sequence[torch.Tensor]]]:
     """Pair each layout entry with its slice of the flat tensor list."""
     i = 0
     for entry in layout:

@@ -63,6 +63,12 @@ def run_extension(
     results : list
         ``getattr(param, extension.savefield)`` for each parameter.
 
+    Raises
+    ------
+    UnsupportedModuleError
+        If a module on the path has no BackPACK rule for ``extension`` or the
+        extension produced no result for some parameter.
+
     """
     savefield = extension.savefield
     with preserved_state(model, lossfunc), torch.enable_grad():
@@ -132,6 +138,12 @@ def _is_container(module: nn.Module) -> bool:
 
     Its children carry the hooks; on the container itself BackPACK would find no
     extension and warn about the children's parameters.
+
+    Returns
+    -------
+    bool
+        Whether the module has children and no parameter of its own.
+
     """
     has_children = next(module.children(), None) is not None
     return has_children and next(module.parameters(recurse=False), None) is None

@@ -12,7 +12,8 @@ attributes (``input0``, ``output``) on the module only for the duration of one c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional, cast
 
 import torch
 from backpack.core.derivatives.basederivatives import BaseParameterDerivatives
@@ -28,8 +29,22 @@ from backpack.core.derivatives.linear import LinearDerivatives
 from torch import nn
 
 from ..errors import UnsupportedModuleError
+from . import _rules_attention, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
 from ._layer_calls import LayerCall
+from ._rules_norm import group_norm_factors, layer_norm_factors
+
+Signals = tuple[Optional[torch.Tensor], ...]
+Rule = Callable[[LayerCall, Signals, set[int]], list[tuple[int, Factors]]]
+
+#: Module types with a rule of their own (closed form, or BPTT for recurrent
+#: layers); a ``MultiheadAttention`` also owns its ``out_proj`` parameters.
+RULES: dict[type[nn.Module], Rule] = {
+    nn.LayerNorm: layer_norm_factors,
+    nn.GroupNorm: group_norm_factors,
+    nn.MultiheadAttention: _rules_attention.attention_factors,
+    **{t: _rules_recurrent.recurrent_factors for t in _rules_recurrent.RECURRENT},
+}
 
 
 class _EmbeddingDerivatives(EmbeddingDerivatives):
@@ -45,7 +60,9 @@ class _EmbeddingDerivatives(EmbeddingDerivatives):
         subsampling: list[int] | None = None,
     ) -> torch.Tensor:
         self._check_parameters(module)
-        index = module.input0 if subsampling is None else module.input0[subsampling]
+        index = cast(torch.Tensor, vars(module)["input0"])
+        if subsampling is not None:
+            index = index[subsampling]
         one_hot = torch.nn.functional.one_hot(index, module.num_embeddings).to(mat)
         equation = f"n...s,vn...h->v{'' if sum_batch else 'n'}sh"
         return torch.einsum(equation, one_hot, mat)
@@ -96,28 +113,24 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
     owners: list[nn.Module] = []
     found: set[int] = set()
     unsupported: list[str] = []
+    composite: list[str] = []  # prefixes of modules whose rule owns submodules
     for name, module in root.named_modules():
-        own = [p for p in module.parameters(recurse=False) if id(p) in wanted]
+        if any(name.startswith(prefix) for prefix in composite):
+            continue
+        recurse = isinstance(module, nn.MultiheadAttention)
+        own = [p for p in module.parameters(recurse=recurse) if id(p) in wanted]
         if not own:
             continue
+        if recurse:
+            composite.append(f"{name}." if name else "")
         found.update(id(p) for p in own)
-        if type(module) not in DERIVATIVES:
-            unsupported.append(f"{name or '<root>'} ({type(module).__name__})")
-            continue
-        if isinstance(module, _BATCHNORM) and module.training:
-            raise UnsupportedModuleError(
-                f"BatchNorm layer '{name}' is in training mode, where per-sample "
-                "Jacobians are not defined (the batch statistics couple the samples). "
-                "Call model.eval() first."
-            )
-        if isinstance(module, nn.Embedding) and (
-            module.padding_idx is not None or module.max_norm is not None
-        ):
-            unsupported.append(f"{name} (Embedding with padding_idx or max_norm)")
+        reason = _refusal(module, name)
+        if reason is not None:
+            unsupported.append(f"{name or '<root>'} ({reason})")
             continue
         owners.append(module)
     if unsupported:
-        supported = ", ".join(sorted(t.__name__ for t in DERIVATIVES))
+        supported = ", ".join(sorted(t.__name__ for t in (*DERIVATIVES, *RULES)))
         raise UnsupportedModuleError(
             "The BackPACK backend has no per-sample Jacobian rule for the "
             f"parameterised module(s) {', '.join(unsupported)}. Supported: "
@@ -133,25 +146,49 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
     return owners
 
 
+def _refusal(module: nn.Module, name: str) -> str | None:
+    """Why ``module`` has no rule (``None`` if it has one); raise for BatchNorm."""
+    kind = type(module)
+    if kind not in DERIVATIVES and kind not in RULES:
+        return kind.__name__
+    if isinstance(module, _BATCHNORM) and module.training:
+        raise UnsupportedModuleError(
+            f"BatchNorm layer '{name}' is in training mode, where per-sample "
+            "Jacobians are not defined (the batch statistics couple the samples). "
+            "Call model.eval() first."
+        )
+    if isinstance(module, nn.Embedding) and (
+        module.padding_idx is not None or module.max_norm is not None
+    ):
+        return "Embedding with padding_idx or max_norm"
+    if isinstance(module, nn.MultiheadAttention):
+        return _rules_attention.unsupported_reason(module)
+    if isinstance(module, _rules_recurrent.RECURRENT):
+        return _rules_recurrent.unsupported_reason(module)
+    return None
+
+
 def param_jacobian_factors(
     calls: Iterable[LayerCall],
-    output_grads: Sequence[torch.Tensor | None],
+    output_grads: Sequence[Signals],
     params: Sequence[torch.Tensor],
 ) -> dict[int, list[Factors]]:
     """Map batched output signals of each module call to Jacobian factors.
 
     ``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding) give closed-form
     factors that :func:`.jacobian_blocks.assemble` writes straight into the final
-    Jacobian; every other module gives a block from BackPACK's ``param_mjp``.
+    Jacobian, and so do the types in :data:`RULES` (norms, attention, recurrent
+    layers); every other module gives a block from BackPACK's ``param_mjp``.
 
     Parameters
     ----------
     calls : iterable of LayerCall
         Recorded module calls.
-    output_grads : sequence of torch.Tensor or None
-        For each call, ``(V, batch, *output_shape)``: the gradient of each of V
-        scalar-per-sample functions with respect to the call's output; ``None``
-        where the output does not influence them.
+    output_grads : sequence of tuple of (torch.Tensor or None)
+        For each call, one entry per tensor it returned (``LayerCall.outputs``),
+        ``(V, *output_shape)``: the gradient of each of V scalar-per-sample
+        functions with respect to that output; ``None`` where the output does not
+        influence them.
     params : sequence of torch.Tensor
         Parameters of interest; others owned by the modules are skipped.
 
@@ -165,10 +202,16 @@ def param_jacobian_factors(
     """
     wanted = {id(p) for p in params}
     result: dict[int, list[Factors]] = {}
-    for call, grad in zip(calls, output_grads):
-        if grad is None:
+    for call, grads in zip(calls, output_grads):
+        if all(g is None for g in grads):
             continue
-        if type(call.module) is nn.Linear:
+        rule = RULES.get(type(call.module))
+        grad = grads[0]
+        if rule is not None:
+            blocks = rule(call, grads, wanted)
+        elif grad is None:
+            continue
+        elif type(call.module) is nn.Linear:
             blocks = _linear_factors(call, grad, wanted)
         elif _has_closed_form_conv2d(call.module):
             blocks = _conv2d_factors(call, grad, wanted)
@@ -188,6 +231,13 @@ def _linear_factors(
     the weight block of sample ``b`` is ``Σ_t g[v, b, t] ⊗ a[b, t]`` (an outer
     product when there are no extra dimensions ``*``) and the bias block
     ``Σ_t g[v, b, t]``.
+
+    Returns
+    -------
+    list of (int, Factors)
+        ``Product`` factors of the weight and ``Summed`` factors of the bias, keyed
+        by the parameters' ``id`` (only those in ``wanted``).
+
     """
     module = call.module
     n_rows, batch, n_out = grad.shape[0], grad.shape[1], grad.shape[-1]
@@ -207,6 +257,12 @@ def _batch_first(g: torch.Tensor) -> torch.Tensor:
     With more than one position the product is a ``bmm`` over the batch, whose
     left factor must be contiguous; the copy is made here, in the autograd graph,
     so that the Jacobian stays differentiable twice.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, V, out, L)``.
+
     """
     g = g.transpose(0, 1)
     return g if g.shape[3] == 1 else g.contiguous()
@@ -229,8 +285,14 @@ def _conv2d_factors(
     A convolution is a Linear layer applied at every output position to the
     unfolded input patches ``(batch, C_in·kh·kw, L)``, so its factors are those of
     :func:`_linear_factors` with the ``L`` positions as the extra dimensions.
+
+    Returns
+    -------
+    list of (int, Factors)
+        As for :func:`_linear_factors`, with the unfolded patches as inputs.
+
     """
-    module = call.module
+    module = cast(nn.Conv2d, call.module)
     n_rows, batch = grad.shape[0], grad.shape[1]
     g = grad.reshape(n_rows, batch, module.out_channels, -1)  # (V, B, out, L)
     blocks: list[tuple[int, Factors]] = []
@@ -239,7 +301,7 @@ def _conv2d_factors(
             call.inputs[0],
             module.kernel_size,
             dilation=module.dilation,
-            padding=module.padding,
+            padding=cast(tuple[int, ...], module.padding),  # never a string here
             stride=module.stride,
         )  # (B, C_in·kh·kw, L)
         blocks.append(
@@ -256,7 +318,9 @@ def _backpack_blocks(
     """BackPACK's ``param_mjp`` per parameter, as ``(V, batch, numel)`` blocks."""
     module = call.module
     derivatives = DERIVATIVES[type(module)]
-    saved = {k: vars(module)[k] for k in ("input0", "output") if k in vars(module)}
+    saved: dict[str, Any] = {
+        k: vars(module)[k] for k in ("input0", "output") if k in vars(module)
+    }
     vars(module)["input0"] = call.inputs[0]
     vars(module)["output"] = call.output
     blocks: list[tuple[int, Factors]] = []

@@ -21,14 +21,16 @@ point leaves the model as it was.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..errors import InvalidInputError
 from ._assembly import assemble
 from ._derivatives import owning_modules, param_jacobian_factors
-from ._inputs import check_model_output
+from ._inputs import batch_size, check_model_output, detached
 from ._layer_calls import recorded_calls
 from ._model_guard import preserved_state
 from ._warnings import quiet_full_backward_hook_warning
@@ -36,7 +38,7 @@ from ._warnings import quiet_full_backward_hook_warning
 
 def parameter_jacobians(
     model: nn.Module,
-    x: torch.Tensor,
+    x: torch.Tensor | Mapping,
     params: Sequence[torch.Tensor],
     *,
     root: nn.Module | None = None,
@@ -49,8 +51,10 @@ def parameter_jacobians(
     ----------
     model : torch.nn.Module
         Model called as ``model(x)``; must return ``(batch, C)`` or ``(batch,)``.
-    x : torch.Tensor
-        Input batch ``(batch, *input_shape)``, already validated.
+    x : torch.Tensor or Mapping
+        Input batch ``(batch, *input_shape)``, or a dict-like batch whose tensors
+        share the leading batch dimension (the model is called with the mapping
+        itself, as laplace-torch does); already validated.
     params : sequence of torch.Tensor
         Parameters, in the column order of the result.
     root : torch.nn.Module, optional
@@ -72,17 +76,20 @@ def parameter_jacobians(
     """
     root = model if root is None else root
     modules = owning_modules(root, params)
-    batch = x.shape[0]
-    x_in = x if enable_backprop else x.detach()
+    batch = batch_size(x)
+    x_in = x if enable_backprop else detached(x)
     with preserved_state(model), torch.enable_grad():
-        with recorded_calls(modules) as calls:
+        with recorded_calls(modules) as calls, sdpa_kernel([SDPBackend.MATH]):
+            # the composite attention kernel: batched and double backward work
             f = check_model_output(model(x_in), batch)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
         signals = _output_signals(f2, selected_outputs)
+        targets = [c.signal_targets() for c in calls]
         with quiet_full_backward_hook_warning():  # hooks of a user-extended model
-            grads = _batched_grad(
-                f2, [c.output for c in calls], signals, enable_backprop
+            flat = _batched_grad(
+                f2, [t for ts in targets for t in ts], signals, enable_backprop
             )
+        grads = _regroup(flat, targets)
         with torch.set_grad_enabled(enable_backprop):
             factors = param_jacobian_factors(calls, grads, params)
             Js = assemble(factors, params, signals.shape[0], batch, f)
@@ -93,7 +100,7 @@ def parameter_jacobians(
 
 def per_sample_gradients(
     model: nn.Module,
-    x: torch.Tensor,
+    x: torch.Tensor | Mapping,
     loss_of_output: Callable[[torch.Tensor], torch.Tensor],
     params: Sequence[torch.Tensor],
     *,
@@ -105,8 +112,8 @@ def per_sample_gradients(
     ----------
     model : torch.nn.Module
         Model called as ``model(x)``.
-    x : torch.Tensor
-        Input batch ``(batch, *input_shape)``.
+    x : torch.Tensor or Mapping
+        Input batch ``(batch, *input_shape)`` or a dict-like batch.
     loss_of_output : callable
         Maps the model output to the scalar loss, a sum over samples.
     params : sequence of torch.Tensor
@@ -124,19 +131,34 @@ def per_sample_gradients(
     """
     root = model if root is None else root
     modules = owning_modules(root, params)
-    batch = x.shape[0]
+    batch = batch_size(x)
     with preserved_state(model), torch.enable_grad():
         with recorded_calls(modules) as calls:
-            f = model(x.detach())
+            f = model(detached(x))
         loss = loss_of_output(f)
-        outputs = [c.output for c in calls]
+        targets = [c.signal_targets() for c in calls]
         with quiet_full_backward_hook_warning():
-            grads = torch.autograd.grad(loss, outputs, allow_unused=True)
+            flat = torch.autograd.grad(
+                loss, [t for ts in targets for t in ts], allow_unused=True
+            )
         with torch.no_grad():
-            signals = [None if g is None else g.unsqueeze(0) for g in grads]
+            signals = _regroup(
+                [None if g is None else g.unsqueeze(0) for g in flat], targets
+            )
             factors = param_jacobian_factors(calls, signals, params)
             Gs = assemble(factors, params, 1, batch, f)[:, 0]
     return Gs.detach(), loss.detach()
+
+
+def _regroup(
+    flat: Sequence[torch.Tensor | None], targets: Sequence[Sequence[torch.Tensor]]
+) -> list[tuple[torch.Tensor | None, ...]]:
+    """Split the flat list of signals back into one tuple per module call."""
+    grouped, start = [], 0
+    for ts in targets:
+        grouped.append(tuple(flat[start : start + len(ts)]))
+        start += len(ts)
+    return grouped
 
 
 def _output_signals(f: torch.Tensor, selected: torch.Tensor | None) -> torch.Tensor:
@@ -149,11 +171,15 @@ def _output_signals(f: torch.Tensor, selected: torch.Tensor | None) -> torch.Ten
     if selected.dim() == 1:
         selected = selected[:, None]
     if selected.shape[0] != batch:
-        raise ValueError(
-            f"Output selectors have {selected.shape[0]} rows but the batch has {batch}."
+        raise InvalidInputError(
+            f"Output selectors have {selected.shape[0]} rows but the batch has "
+            f"{batch}; pass one row of output indices per input."
         )
     if selected.numel() and (selected.min() < 0 or selected.max() >= n_out):
-        raise ValueError(f"Output selectors must lie in [0, {n_out}).")
+        raise InvalidInputError(
+            f"Output selectors must lie in [0, {n_out}) (the model has {n_out} "
+            "outputs)."
+        )
     one_hot = torch.nn.functional.one_hot(selected, n_out).to(f.dtype)
     return one_hot.permute(1, 0, 2)
 

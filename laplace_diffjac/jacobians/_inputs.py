@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Mapping, MutableMapping
 
 import torch
 from torch import nn
@@ -53,18 +54,7 @@ def check_tensor_batch(x: object, model: nn.Module, backend: str) -> torch.Tenso
             f"{backend} got an empty batch (shape {tuple(x.shape)}); pass at least "
             "one input."
         )
-    param = next(model.parameters(), None)
-    if param is not None:
-        if x.device != param.device:
-            raise InvalidInputError(
-                f"Input is on {x.device} but the model is on {param.device}; move "
-                f"it with x.to({str(param.device)!r})."
-            )
-        if x.is_floating_point() and x.dtype != param.dtype:
-            raise InvalidInputError(
-                f"Input has dtype {x.dtype} but the model's parameters are "
-                f"{param.dtype}; cast it with x.to({param.dtype})."
-            )
+    _check_device_and_dtype(x, model, "Input", "x")
     return x
 
 
@@ -74,10 +64,11 @@ def check_mapping_or_tensor_batch(x: object, model: nn.Module, backend: str) -> 
     Parameters
     ----------
     x : object
-        A tensor ``(batch, ...)`` or a mapping whose tensor values share a leading
-        batch dimension.
+        A tensor ``(batch, ...)`` or a mapping (``dict``, ``collections.UserDict``
+        such as Hugging Face's ``BatchEncoding``) whose tensor values share a
+        leading batch dimension; non-tensor values are passed through unchecked.
     model : torch.nn.Module
-        Model the batch is fed to.
+        Model the batch is fed to; its first parameter fixes device and dtype.
     backend : str
         Backend name used in error messages.
 
@@ -86,12 +77,26 @@ def check_mapping_or_tensor_batch(x: object, model: nn.Module, backend: str) -> 
     int
         The batch size.
 
+    Raises
+    ------
+    InvalidInputError
+        For a mapping without tensors, tensors that disagree on the batch size,
+        scalars, an empty batch, and a tensor whose device or floating dtype
+        differs from the model's.
+
     """
     if not isinstance(x, Mapping):
         return check_tensor_batch(x, model, backend).shape[0]
-    sizes = {v.shape[0] for v in x.values() if isinstance(v, torch.Tensor) and v.dim()}
-    if not sizes:
+    tensors = {k: v for k, v in x.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
         raise InvalidInputError(f"{backend}: the dict-like input holds no tensors.")
+    scalars = [k for k, v in tensors.items() if v.dim() == 0]
+    if scalars:
+        raise InvalidInputError(
+            f"{backend}: input(s) {scalars} of the dict-like input are scalars; "
+            "every tensor needs a leading batch dimension."
+        )
+    sizes = {v.shape[0] for v in tensors.values()}
     if len(sizes) != 1:
         raise InvalidInputError(
             f"{backend}: the tensors of the dict-like input disagree on the batch "
@@ -100,15 +105,73 @@ def check_mapping_or_tensor_batch(x: object, model: nn.Module, backend: str) -> 
     (size,) = sizes
     if size == 0:
         raise InvalidInputError(f"{backend} got an empty batch; pass at least one.")
-    param = next(model.parameters(), None)
-    for key, value in x.items():
-        if isinstance(value, torch.Tensor) and param is not None:
-            if value.device != param.device:
-                raise InvalidInputError(
-                    f"Input '{key}' is on {value.device} but the model is on "
-                    f"{param.device}."
-                )
+    for key, value in tensors.items():
+        _check_device_and_dtype(value, model, f"Input {key!r}", f"x[{key!r}]")
     return size
+
+
+def batch_size(x: torch.Tensor | Mapping) -> int:
+    """Leading dimension of a checked tensor batch or of the tensors of a mapping.
+
+    Parameters
+    ----------
+    x : torch.Tensor or Mapping
+        A batch already validated by :func:`check_mapping_or_tensor_batch`.
+
+    Returns
+    -------
+    int
+
+    """
+    if isinstance(x, torch.Tensor):
+        return x.shape[0]
+    return next(v for v in x.values() if isinstance(v, torch.Tensor)).shape[0]
+
+
+def detached(x: torch.Tensor | Mapping) -> torch.Tensor | Mapping:
+    """The batch with every tensor detached; a mapping keeps its type.
+
+    Parameters
+    ----------
+    x : torch.Tensor or Mapping
+        The batch.
+
+    Returns
+    -------
+    torch.Tensor or Mapping
+        A detached tensor, or a shallow copy of the mapping (``copy.copy``, so a
+        ``UserDict`` subclass stays one) holding detached tensors. The caller's
+        mapping is not changed.
+
+    """
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, MutableMapping):
+        out = copy.copy(x)
+        for key, value in x.items():
+            if isinstance(value, torch.Tensor):
+                out[key] = value.detach()
+        return out
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+
+
+def _check_device_and_dtype(
+    value: torch.Tensor, model: nn.Module, what: str, ref: str
+) -> None:
+    """Raise unless ``value`` is on the model's device (and dtype, if floating)."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return
+    if value.device != param.device:
+        raise InvalidInputError(
+            f"{what} is on {value.device} but the model is on {param.device}; move "
+            f"it with {ref}.to({str(param.device)!r})."
+        )
+    if value.is_floating_point() and value.dtype != param.dtype:
+        raise InvalidInputError(
+            f"{what} has dtype {value.dtype} but the model's parameters are "
+            f"{param.dtype}; cast it with {ref}.to({param.dtype})."
+        )
 
 
 def check_model_output(f: object, batch_size: int) -> torch.Tensor:
@@ -125,6 +188,11 @@ def check_model_output(f: object, batch_size: int) -> torch.Tensor:
     -------
     torch.Tensor
         ``f`` itself.
+
+    Raises
+    ------
+    InvalidInputError
+        If ``f`` is not a tensor of shape ``(batch,)`` or ``(batch, outputs)``.
 
     """
     if not isinstance(f, torch.Tensor):

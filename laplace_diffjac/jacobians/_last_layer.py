@@ -39,6 +39,12 @@ def last_layer_jacobians(
     f : torch.Tensor
         ``(batch, C)``.
 
+    Raises
+    ------
+    UnsupportedModuleError
+        If ``model.last_layer`` is not an ``nn.Linear``, is not called by the
+        model, or does not take ``(batch, features)`` inputs.
+
     """
     last = getattr(model, "last_layer", None)
     if not isinstance(last, nn.Linear):
@@ -76,6 +82,17 @@ def _reduced_features(phi: torch.Tensor, reduction: object) -> torch.Tensor:
     apply the last layer to every token ``(batch, seq, D)`` and return one output
     row per sample: ``"pick_first"``/``"pick_last"`` take that token's features,
     ``"average"`` their mean over the intermediate dimensions.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, D)``.
+
+    Raises
+    ------
+    UnsupportedModuleError
+        For inputs with more than two dimensions and no (known) reduction.
+
     """
     if phi.dim() == 2:
         return phi

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,16 +23,27 @@ class LayerCall:
     ----------
     module : torch.nn.Module
         The module that was called.
-    inputs : tuple of torch.Tensor
+    inputs : tuple
         Its positional inputs, graph-connected.
     output : torch.Tensor
         Its output (the first element for modules that return tuples).
+    kwargs : dict
+        Its keyword inputs (attention masks, for instance).
+    outputs : tuple of torch.Tensor
+        Every tensor the module returned, depth first (``output`` first); the
+        recurrent rules need the final states too.
 
     """
 
     module: nn.Module
-    inputs: tuple[torch.Tensor, ...]
+    inputs: tuple
     output: torch.Tensor
+    kwargs: dict = field(default_factory=dict)
+    outputs: tuple[torch.Tensor, ...] = ()
+
+    def signal_targets(self) -> tuple[torch.Tensor, ...]:
+        """Tensors the output signals are sent to: all outputs, or ``output``."""
+        return self.outputs if self.outputs else (self.output,)
 
 
 @contextmanager
@@ -52,13 +63,22 @@ def recorded_calls(modules: Sequence[nn.Module]) -> Iterator[list[LayerCall]]:
     """
     calls: list[LayerCall] = []
 
-    def hook(module: nn.Module, inputs: tuple, output: object) -> None:
-        first = output[0] if isinstance(output, (tuple, list)) else output
-        calls.append(LayerCall(module, tuple(inputs), first))
+    def hook(module: nn.Module, inputs: tuple, kwargs: dict, output: object) -> None:
+        tensors = tuple(_tensors(output))
+        calls.append(LayerCall(module, tuple(inputs), tensors[0], kwargs, tensors))
 
-    handles = [m.register_forward_hook(hook) for m in modules]
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
         yield calls
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _tensors(output: object) -> Iterator[torch.Tensor]:
+    """The tensors of a (nested tuple) module output, depth first."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)

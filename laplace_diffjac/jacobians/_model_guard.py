@@ -110,8 +110,8 @@ def preserved_state(*modules: nn.Module | None) -> Iterator[None]:
     finally:
         for snap in module_snaps:
             snap.restore()
-        for snap in tensor_snaps:
-            snap.restore()
+        for tensor_snap in tensor_snaps:
+            tensor_snap.restore()
 
 
 def _tensors_of(module: nn.Module) -> Iterable[torch.Tensor]:

@@ -6,7 +6,8 @@ through ``structured_ntk`` for chains of Linear layers and elementwise
 activations. ``output_hessians`` gives the GGN likelihood Hessians ``Λₙ``.
 """
 
-from ._cholesky import jittered_cholesky
+from ._activations import ACTIVATIONS
+from ._cholesky import explained_trace, jittered_cholesky
 from ._likelihood_hessians import output_hessians
 from ._ntk import (
     PriorPrecision,
@@ -17,11 +18,25 @@ from ._ntk import (
     ntk,
     ntk_diag,
     prior_variance,
+    structured_applies,
 )
-from ._structured import structured_ntk, supports_structured_ntk
+from ._structured import (
+    check_structured,
+    structured_features,
+    structured_ntk,
+    supports_structured_ntk,
+)
+from ._structured_features import NTKFeatures, feature_diag, feature_gram
+from ._symmetric_gram import symmetric_feature_gram
 
 __all__ = [
+    "ACTIVATIONS",
+    "NTKFeatures",
     "PriorPrecision",
+    "check_structured",
+    "explained_trace",
+    "feature_diag",
+    "feature_gram",
     "flat_gram",
     "gram",
     "jacobians",
@@ -31,6 +46,9 @@ __all__ = [
     "ntk_diag",
     "output_hessians",
     "prior_variance",
+    "structured_applies",
+    "structured_features",
     "structured_ntk",
     "supports_structured_ntk",
+    "symmetric_feature_gram",
 ]

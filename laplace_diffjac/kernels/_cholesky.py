@@ -1,10 +1,19 @@
-"""The one place where a kernel Gram matrix is factorised."""
+"""The one place where a kernel Gram matrix is factorised.
+
+``jittered_cholesky`` factorises a Gram for a posterior; ``explained_trace`` is the
+Nyström term ``Σₙ tr(Λₙ k(xₙ, Z) K_ZZ⁻¹ k(Z, xₙ))`` of the location objective with
+a hand-written backward pass (two GEMMs instead of autograd through the Cholesky
+factor and the triangular solves, which costs several ``(MC)³``).
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-__all__ = ["jittered_cholesky"]
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = ["explained_trace", "jittered_cholesky"]
 
 
 def jittered_cholesky(K: torch.Tensor, jitter: float) -> torch.Tensor:
@@ -40,12 +49,108 @@ def jittered_cholesky(K: torch.Tensor, jitter: float) -> torch.Tensor:
         If ``jitter`` is negative or ``K`` is not a square matrix.
 
     """
+    return torch.linalg.cholesky(_jittered(K, jitter))
+
+
+def _jittered(K: torch.Tensor, jitter: float, symmetrise: bool = True) -> torch.Tensor:
+    """``½ (K + Kᵀ) + ε I`` (or ``K + ε I``), ``ε = jitter · mean(diag K)``."""
     if jitter < 0:
         raise ValueError(f"jitter must be non-negative, got {jitter}.")
     if K.dim() != 2 or K.shape[0] != K.shape[1]:
         raise ValueError(f"K must be a square matrix, got shape {tuple(K.shape)}.")
-    K = 0.5 * (K + K.T)
+    K = 0.5 * (K + K.T) if symmetrise else K.clone()
     tiny = torch.finfo(K.dtype).tiny
     scale = jitter * K.diagonal().mean().clamp_min(tiny)
-    eye = torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
-    return torch.linalg.cholesky(K + scale * eye)
+    K.diagonal().add_(scale)
+    return K
+
+
+def explained_trace(
+    K_zz: torch.Tensor, K_zx: torch.Tensor, hessians: torch.Tensor, jitter: float
+) -> torch.Tensor:
+    """Weighted trace of the Nyström approximation, ``Σₙ tr(Λₙ Q_nn)``.
+
+    ``Q = K_xz K̃_ZZ⁻¹ K_zx`` with ``K̃_ZZ = K_zz + ε I`` relatively jittered as in
+    :func:`jittered_cholesky` (the jitter is part of the function). ``K_zz`` is
+    taken to be symmetric (only its lower triangle is read, and the gradient
+    returned for it is symmetric: the right one whenever ``K_zz`` is a symmetric
+    function of what it depends on, as a Gram is); it is not symmetrised, which
+    saves two passes over an ``(MC)²`` matrix per step.
+    The backward pass is analytic: with ``A = K̃_ZZ⁻¹ K_zx`` the gradients are
+    ``2 A Λ`` for ``K_zx`` and ``-A Λ Aᵀ`` for ``K̃_ZZ``, so a step costs one
+    Cholesky factorisation, one solve and two products, never the Cholesky
+    backward pass.
+
+    Parameters
+    ----------
+    K_zz : torch.Tensor
+        ``(M C, M C)`` Gram of the locations, symmetric PSD up to rounding
+        (float64 recommended).
+    K_zx : torch.Tensor
+        ``(M C, b C)`` cross-Gram, columns input-major (``[m C + c, n C + e]``).
+    hessians : torch.Tensor
+        ``Λₙ`` ``(b, C, C)``, symmetric.
+    jitter : float
+        Relative diagonal jitter of ``K_zz``, non-negative.
+
+    Returns
+    -------
+    torch.Tensor
+        Scalar. Differentiable (once) with respect to ``K_zz``, ``K_zx`` and
+        ``hessians``.
+
+    Raises
+    ------
+    ValueError
+        If the shapes do not fit together or ``jitter`` is negative.
+
+    """
+    b, C = hessians.shape[:2]
+    if hessians.shape != (b, C, C) or K_zx.shape != (K_zz.shape[0], b * C):
+        raise ValueError(
+            f"Shapes do not fit: K_zz {tuple(K_zz.shape)}, K_zx {tuple(K_zx.shape)}, "
+            f"hessians {tuple(hessians.shape)}; need (n, n), (n, b C), (b, C, C)."
+        )
+    return _ExplainedTrace.apply(
+        _jittered(K_zz, jitter, symmetrise=False), K_zx, hessians
+    )
+
+
+class _ExplainedTrace(torch.autograd.Function):
+    """``Σ K_zx ⊙ (K⁻¹ K_zx Λ)`` with the analytic backward pass."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, K: torch.Tensor, K_zx: torch.Tensor, lam: torch.Tensor
+    ) -> torch.Tensor:
+        n, (b, C) = K.shape[0], lam.shape[:2]
+        L, info = torch.linalg.cholesky_ex(K)
+        if int(info) != 0:
+            raise torch.linalg.LinAlgError(
+                "K_zz + jitter is not positive definite (leading minor "
+                f"{int(info)}); increase jitter or move coinciding locations apart."
+            )
+        A = torch.cholesky_solve(K_zx, L)
+        A_lam = torch.bmm(A.reshape(n, b, C).transpose(0, 1), lam)
+        A_lam = A_lam.transpose(0, 1).reshape(n, b * C)
+        ctx.save_for_backward(K_zx, A, A_lam)
+        ctx.shape = (n, b, C)
+        return (K_zx * A_lam).sum()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        K_zx, A, A_lam = ctx.saved_tensors
+        n, b, C = ctx.shape
+        g_K = g_zx = g_lam = None
+        if ctx.needs_input_grad[0]:
+            g_K = torch.mm(A_lam, A.T).mul_(-grad)
+        if ctx.needs_input_grad[1]:
+            g_zx = A_lam.mul(2 * grad)
+        if ctx.needs_input_grad[2]:
+            X = torch.bmm(
+                K_zx.reshape(n, b, C).permute(1, 2, 0),
+                A.reshape(n, b, C).transpose(0, 1),
+            )
+            g_lam = grad * X
+        return g_K, g_zx, g_lam

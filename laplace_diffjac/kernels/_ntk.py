@@ -37,6 +37,7 @@ __all__ = [
     "ntk",
     "ntk_diag",
     "prior_variance",
+    "structured_applies",
 ]
 
 
@@ -167,19 +168,41 @@ def _jacobian_fn(backend: JacobianBackend) -> Callable[[torch.Tensor], torch.Ten
     return lambda x: jacobians(backend, x)
 
 
+def structured_applies(backend: JacobianBackend, prior_var: torch.Tensor) -> bool:
+    """Whether the structured route computes this backend's prior-scaled Gram.
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        The backend whose Jacobians the Gram would contract.
+    prior_var : torch.Tensor
+        Prior variance from :func:`prior_variance`, ``()`` or ``(P,)``.
+
+    Returns
+    -------
+    bool
+        ``True`` for a scalar prior, a backend that is neither last-layer nor
+        subnetwork, and a model for which
+        :func:`laplace_diffjac.kernels.supports_structured_ntk` holds with the
+        backend's parameters.
+
+    """
+    if prior_var.dim() != 0:
+        return False
+    if getattr(backend, "last_layer", False):
+        return False
+    if getattr(backend, "subnetwork_indices", None) is not None:
+        return False
+    return supports_structured_ntk(backend.model, list(backend.params))
+
+
 def _structured_route(
     backend: JacobianBackend, prior_var: torch.Tensor
 ) -> Callable | None:
     """``structured_ntk`` when it applies, else ``None``."""
-    if prior_var.dim() != 0:
-        return None
-    if getattr(backend, "last_layer", False):
-        return None
-    if getattr(backend, "subnetwork_indices", None) is not None:
+    if not structured_applies(backend, prior_var):
         return None
     model = backend.model
-    if not supports_structured_ntk(model, list(backend.params)):
-        return None
     precision = prior_var.reciprocal()
 
     def block(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:

@@ -16,54 +16,13 @@ respect to both inputs and the parameters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-_Derivative = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _gelu(m: nn.GELU, z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    if m.approximate == "tanh":
-        k = (2.0 / torch.pi) ** 0.5
-        t = torch.tanh(k * (z + 0.044715 * z**3))
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t**2) * k * (1 + 3 * 0.044715 * z**2)
-    cdf = 0.5 * (1 + torch.erf(z * 2**-0.5))
-    pdf = torch.exp(-0.5 * z**2) / (2 * torch.pi) ** 0.5
-    return cdf + z * pdf
-
-
-def _silu(m: nn.Module, z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(z)
-    return s * (1 + z * (1 - s))
-
-
-def _softplus(m: nn.Softplus, z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    bz = m.beta * z
-    return torch.where(bz > m.threshold, torch.ones_like(z), torch.sigmoid(bz))
-
-
-def _elu(m: nn.ELU, z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    return torch.where(z > 0, torch.ones_like(z), m.alpha * torch.exp(z))
-
-
-def _leaky_relu(m: nn.LeakyReLU, z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    return torch.where(z > 0, torch.ones_like(z), torch.full_like(z, m.negative_slope))
-
-
-#: Elementwise activations and their derivatives ``d(module, z, module(z))``.
-ACTIVATIONS: dict[type[nn.Module], _Derivative] = {
-    nn.Tanh: lambda m, z, a: 1 - a**2,
-    nn.Sigmoid: lambda m, z, a: a * (1 - a),
-    nn.ReLU: lambda m, z, a: (z > 0).to(z.dtype),
-    nn.GELU: _gelu,
-    nn.SiLU: _silu,
-    nn.Softplus: _softplus,
-    nn.ELU: _elu,
-    nn.LeakyReLU: _leaky_relu,
-}
+from ._activations import ACTIVATIONS
+from ._structured_features import NTKFeatures, feature_gram, ntk_features
 
 #: Modules that leave a batch of feature vectors unchanged.
 _PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Dropout)
@@ -163,109 +122,71 @@ def structured_ntk(
         ``Linear`` layer receives a non-2-D input or the output is not ``(B, C)``.
 
     """
+    check_structured(model)
+    if isinstance(prior_precision, torch.Tensor) and prior_precision.numel() != 1:
+        raise ValueError("structured_ntk needs a scalar prior precision.")
+    f1 = structured_features(model, x1)
+    f2 = f1 if x2 is None else structured_features(model, x2)
+    n1, n2, c = len(f1), len(f2), f1.n_outputs
+    kernel = feature_gram(f1, f2).reshape(n1, c, n2, c)
+    return kernel.permute(0, 2, 1, 3) / prior_precision
+
+
+def check_structured(model: nn.Module) -> None:
+    """Raise unless :func:`supports_structured_ntk` holds for ``model``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Candidate model (all its parameters that require grad).
+
+    Raises
+    ------
+    ValueError
+        If the structured route does not apply, naming the alternative.
+
+    """
     if not supports_structured_ntk(model):
         raise ValueError(
             "structured_ntk supports nn.Sequential chains of Linear layers and "
             f"elementwise activations ({', '.join(t.__name__ for t in ACTIVATIONS)}, "
             "Identity, Flatten, eval-mode Dropout); use laplace_diffjac.kernels.ntk."
         )
-    if isinstance(prior_precision, torch.Tensor) and prior_precision.numel() != 1:
-        raise ValueError("structured_ntk needs a scalar prior precision.")
+
+
+def structured_features(model: nn.Module, x: torch.Tensor) -> NTKFeatures:
+    """One side's pieces of :func:`structured_ntk` (see :class:`NTKFeatures`).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model for which :func:`supports_structured_ntk` is ``True``.
+    x : torch.Tensor
+        ``(B, *input_shape)``.
+
+    Returns
+    -------
+    NTKFeatures
+        Differentiable with respect to ``x`` and the parameters;
+        ``feature_gram(structured_features(m, x1), structured_features(m, x2))``
+        is ``J(x1) J(x2)ᵀ`` as a ``(B1 C, B2 C)`` matrix.
+
+    Raises
+    ------
+    ValueError
+        If the model is unsupported or a Linear layer gets a non-2-D input.
+
+    """
+    check_structured(model)
     layers = _flat_layers(model)
     assert layers is not None
-    wanted = {id(p) for p in _default_params(model)}
-    trace1 = _forward_trace(layers, x1)
-    trace2 = trace1 if x2 is None else _forward_trace(layers, x2)
-    sig1 = _output_signals(trace1)
-    sig2 = sig1 if x2 is None else _output_signals(trace2)
-    out1, out2 = trace1[-1], trace2[-1]
-    n1, c = out1.shape
-    n2 = out2.shape[0]
-    kernel = out1.new_zeros((n1, c, n2, c))
-    eye = torch.eye(c, dtype=out1.dtype, device=out1.device)
-    for (linear, a1, g1), (_, a2, g2) in zip(sig1, sig2):
-        scale = _input_gram(linear, a1, a2, wanted)
-        if scale is None:
-            continue
-        if g1 is None:  # the last layer: g = identity
-            kernel = kernel + scale[:, None, :, None] * eye[None, :, None, :]
-        else:
-            gram = g1.reshape(n1 * c, -1) @ g2.reshape(n2 * c, -1).T
-            kernel = kernel + scale[:, None, :, None] * gram.reshape(n1, c, n2, c)
-    return kernel.permute(0, 2, 1, 3) / prior_precision
+    return ntk_features(layers, x, {id(p) for p in _default_params(model)})
 
 
-def _forward_trace(layers: Sequence[nn.Module], x: torch.Tensor) -> list:
-    """Run the chain and record what the output signals need.
-
-    Returns ``[op, ..., output]`` with ``op`` either ``('linear', module, input)``
-    or ``('scale', derivative (B, width))``.
-    """
-    ops: list = []
-    h = x
-    for m in layers:
-        if type(m) is nn.Linear:
-            if h.dim() != 2:
-                raise ValueError(
-                    "structured_ntk needs (batch, features) inputs to every Linear "
-                    f"layer; got {tuple(h.shape)}. Add nn.Flatten() or use "
-                    "laplace_diffjac.kernels.ntk."
-                )
-            ops.append(("linear", m, h))
-            h = F.linear(h, m.weight, m.bias)
-        elif type(m) in ACTIVATIONS:
-            z = h
-            a = m(z.clone() if getattr(m, "inplace", False) else z)
-            ops.append(("scale", ACTIVATIONS[type(m)](m, z, a)))
-            h = a
-        elif type(m) is nn.Flatten:
-            h = h.flatten(start_dim=1)
-        # Identity and eval-mode Dropout: nothing to do.
-    if h.dim() != 2:
-        raise ValueError(f"structured_ntk needs (batch, C) outputs, got {h.shape}.")
-    ops.append(h)
-    return ops
-
-
-def _output_signals(trace: list) -> list[tuple[nn.Linear, torch.Tensor, object]]:
-    """Backpropagate the identity on the output to every Linear layer's output.
-
-    Returns ``(linear, input (B, in), g (B, C, out) or None for identity)`` per
-    Linear layer, in forward order.
-    """
-    g: torch.Tensor | None = None
-    result = []
-    remaining = sum(1 for op in trace[:-1] if op[0] == "linear")
-    for op in reversed(trace[:-1]):
-        if remaining == 0:
-            break
-        if op[0] == "scale":
-            d = op[1]
-            g = torch.diag_embed(d) if g is None else g * d[:, None, :]
-        else:
-            linear, a = op[1], op[2]
-            result.append((linear, a, g))
-            remaining -= 1
-            if remaining == 0:
-                break
-            weight = linear.weight
-            if g is None:
-                g = weight.expand(a.shape[0], *weight.shape)
-            else:
-                g = g @ weight
-    return result[::-1]
-
-
-def _input_gram(
-    linear: nn.Linear, a1: torch.Tensor, a2: torch.Tensor, wanted: set[int]
-) -> torch.Tensor | None:
-    """``a1 a2ᵀ [+ 1]`` ``(B1, B2)`` for the wanted weight [and bias], else None."""
-    scale = None
-    if id(linear.weight) in wanted:
-        scale = a1 @ a2.T
-    if linear.bias is not None and id(linear.bias) in wanted:
-        scale = 1.0 + scale if scale is not None else a1.new_ones(len(a1), len(a2))
-    return scale
-
-
-__all__ = ["ACTIVATIONS", "structured_ntk", "supports_structured_ntk"]
+__all__ = [
+    "ACTIVATIONS",
+    "check_structured",
+    "structured_features",
+    "structured_ntk",
+    "supports_structured_ntk",
+]

@@ -36,6 +36,11 @@ def wrap_init(original: Callable[..., None], policy: BackendPolicy) -> Callable:
     callable
         The wrapper, with ``original``'s name, docstring and signature.
 
+    Raises
+    ------
+    TypeError
+        If ``original`` has no ``backend`` parameter.
+
     """
     signature = inspect.signature(original)
     if "backend" not in signature.parameters:

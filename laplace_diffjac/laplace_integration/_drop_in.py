@@ -16,9 +16,7 @@ before keep theirs.
 
 from __future__ import annotations
 
-import threading
 from types import TracebackType
-from typing import Any
 
 from laplace.baselaplace import BaseLaplace
 from laplace.curvature import BackPackEF, BackPackGGN
@@ -26,7 +24,7 @@ from laplace.curvature import BackPackEF, BackPackGGN
 from ..backends import DiffBackPackEF, DiffBackPackGGN
 from . import _registration as adapter
 from ._backend_args import wrap_init
-from ._patching import AttributePatch
+from ._patching import AttributePatch, Reversible, SharedPatches
 
 #: laplace-torch backend -> its side-effect-free replacement (matched by identity).
 REPLACEMENTS: dict[type, type] = {
@@ -35,53 +33,65 @@ REPLACEMENTS: dict[type, type] = {
 }
 
 
-def _replacing_policy(backend: Any) -> tuple[Any, None]:
+def _replacing_policy(backend: object) -> tuple[object, None]:
     for upstream, replacement in REPLACEMENTS.items():
         if backend is upstream:
             return replacement, None
     return backend, None
 
 
-class _Installation:
-    """The ``BaseLaplace.__init__`` patch, shared by all live handles."""
+class _AdapterHold:
+    """Registers the adapter while applied, unless it was registered already."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._patch: AttributePatch | None = None
         self._registered_here = False
 
     @property
-    def active(self) -> bool:
-        return self._patch is not None
+    def current(self) -> bool:
+        """Always safe to revert: unregistering checks its own patches."""
+        return True
 
-    def acquire(self) -> None:
-        with self._lock:
-            if self._users == 0:
-                # The adapter also wraps BaseLaplace.__init__: install it first so
-                # that this patch sits on top and is reverted before it.
-                self._registered_here = adapter.register()
-                init = vars(BaseLaplace)["__init__"]
-                patch = AttributePatch(
-                    BaseLaplace, "__init__", wrap_init(init, _replacing_policy)
-                )
-                patch.apply()
-                self._patch = patch
-            self._users += 1
+    def apply(self) -> None:
+        self._registered_here = adapter.register()
 
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                if self._patch is not None:
-                    self._patch.revert()
-                    self._patch = None
-                if self._registered_here:
-                    adapter.unregister()
-                    self._registered_here = False
+    def revert(self) -> None:
+        if self._registered_here:
+            adapter.unregister()
+            self._registered_here = False
 
 
-_INSTALLATION = _Installation()
+class _InitSwap:
+    """Wraps ``BaseLaplace.__init__`` as it is when applied (adapter included)."""
+
+    def __init__(self) -> None:
+        self._patch: AttributePatch | None = None
+
+    @property
+    def current(self) -> bool:
+        """Whether the wrapper is still ``BaseLaplace``'s own ``__init__``."""
+        return self._patch is None or self._patch.current
+
+    def apply(self) -> None:
+        init = vars(BaseLaplace)["__init__"]
+        self._patch = AttributePatch(
+            BaseLaplace, "__init__", wrap_init(init, _replacing_policy)
+        )
+        self._patch.apply()
+
+    def revert(self) -> None:
+        if self._patch is not None:
+            self._patch.revert()
+            self._patch = None
+
+
+def _make_patches() -> list[Reversible]:
+    # The adapter may wrap BaseLaplace.__init__ too: it is installed first, so the
+    # swap wraps it and is reverted before it.
+    return [_AdapterHold(), _InitSwap()]
+
+
+#: The drop-in's changes, reference-counted over all live handles.
+_INSTALLATION = SharedPatches(_make_patches)
 
 
 class LaplacePatch:
@@ -105,8 +115,6 @@ class LaplacePatch:
         if self._active:
             self._active = False
             _INSTALLATION.release()
-
-    restore = undo
 
     def __enter__(self) -> LaplacePatch:
         return self
@@ -132,7 +140,7 @@ def patch_laplace() -> LaplacePatch:
     Returns
     -------
     LaplacePatch
-        The handle; ``.undo()`` (alias ``.restore()``) or leaving ``with`` undoes it.
+        The handle; ``.undo()`` or leaving ``with`` undoes it.
 
     Examples
     --------

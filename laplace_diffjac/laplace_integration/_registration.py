@@ -39,7 +39,6 @@ The decisions are made with ``issubclass``, never with class names.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from laplace import baselaplace
@@ -48,7 +47,8 @@ from laplace.curvature import CurvlinopsGGN
 
 from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from ._backend_args import wrap_init
-from ._patching import AttributePatch
+from ._factory import factory_patches
+from ._patching import AttributePatch, SharedPatches
 
 #: Backends that leave no hooks, attributes or gradients on the model.
 SIDE_EFFECT_FREE_BACKENDS: tuple[type, ...] = (
@@ -61,7 +61,7 @@ SIDE_EFFECT_FREE_BACKENDS: tuple[type, ...] = (
 FUNCTIONAL_BACKENDS: tuple[type, ...] = (DiffBackPackGGN, DiffFuncGGN)
 
 
-def is_side_effect_free(backend: Any) -> bool:
+def is_side_effect_free(backend: object) -> bool:
     """Whether ``backend`` is (a subclass of) one of this package's backends.
 
     Parameters
@@ -77,26 +77,50 @@ def is_side_effect_free(backend: Any) -> bool:
     return isinstance(backend, type) and issubclass(backend, SIDE_EFFECT_FREE_BACKENDS)
 
 
-def _functional_policy(backend: Any) -> tuple[Any, Any | None]:
+def _functional_policy(backend: object) -> tuple[object, type | None]:
     """Let ``FunctionalLaplace`` take our GGN backends past its allow-list.
 
     The constructor is given ``CurvlinopsGGN``, which its allow-list accepts and
     whose only other use there is the frozen-parameter check that
     :func:`_frozen_parameters_policy` lifts for ours; ours is installed once it
     returns.
+
+    Parameters
+    ----------
+    backend : object
+        The backend class the caller chose.
+
+    Returns
+    -------
+    tuple
+        The class handed to the constructor and the class installed afterwards
+        (``None``: leave it).
+
     """
     if not (isinstance(backend, type) and issubclass(backend, FUNCTIONAL_BACKENDS)):
         return backend, None
     return CurvlinopsGGN, backend
 
 
-def _frozen_parameters_policy(backend: Any) -> tuple[Any, Any | None]:
+def _frozen_parameters_policy(backend: object) -> tuple[object, type | None]:
     """Let ``BaseLaplace.__init__`` take our backends when parameters are frozen.
 
     ``BaseLaplace.__init__`` uses ``backend`` for that check and to store it; it is
     given ``CurvlinopsGGN`` and ours is stored as ``_backend_cls`` once it returns.
+
+    Parameters
+    ----------
+    backend : object
+        The backend class the caller chose.
+
+    Returns
+    -------
+    tuple
+        The class handed to the constructor and the class installed afterwards
+        (``None``: leave it).
+
     """
-    if is_side_effect_free(backend):
+    if isinstance(backend, type) and is_side_effect_free(backend):
         return CurvlinopsGGN, backend
     return backend, None
 
@@ -122,6 +146,8 @@ def _make_patches() -> list[AttributePatch]:
                 _side_effect_aware(uses_backpack),
             )
         )
+    # Laplace(..., functional_approximation="context") builds a ContextPosterior.
+    patches.extend(factory_patches())
     return patches
 
 
@@ -135,45 +161,7 @@ def _side_effect_aware(original: property) -> property:
     return property(_uses_backpack_backend, doc=original.__doc__)
 
 
-class _Registration:
-    """The adapter's patches, installed at most once."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._patches: list[AttributePatch] = []
-
-    @property
-    def active(self) -> bool:
-        return bool(self._patches)
-
-    def install(self) -> bool:
-        with self._lock:
-            if self._patches:
-                return False
-            patches = _make_patches()
-            for patch in patches:
-                patch.apply()
-            self._patches = patches
-            return True
-
-    def remove(self) -> bool:
-        with self._lock:
-            if not self._patches:
-                return False
-            if any(
-                vars(p.owner).get(p.name) is not p.replacement for p in self._patches
-            ):
-                raise RuntimeError(
-                    "laplace-torch was patched again after laplace_diffjac.register() "
-                    "(for instance by an active patch_laplace()); undo that first."
-                )
-            for patch in reversed(self._patches):
-                patch.revert()
-            self._patches = []
-            return True
-
-
-_REGISTRATION = _Registration()
+_REGISTRATION = SharedPatches(_make_patches, max_users=1)
 
 
 def register() -> bool:
@@ -188,7 +176,7 @@ def register() -> bool:
         ``True`` if this call installed the adapter, ``False`` if it already was.
 
     """
-    return _REGISTRATION.install()
+    return _REGISTRATION.acquire()
 
 
 def unregister() -> bool:
@@ -209,7 +197,7 @@ def unregister() -> bool:
         nothing is changed then.
 
     """
-    return _REGISTRATION.remove()
+    return _REGISTRATION.release()
 
 
 def is_registered() -> bool:

@@ -11,6 +11,7 @@ from laplace_diffjac import (
     DiffBackPackGGN,
     DiffFuncGGN,
     InvalidInputError,
+    UnsupportedModuleError,
 )
 from tests.backends.methods import kron_friendly_mlp, method_calls
 from tests.conftest import BACKENDS
@@ -20,11 +21,38 @@ BACKPACK_BACKENDS = [DiffBackPackGGN, DiffBackPackEF]
 
 
 @pytest.mark.parametrize("backend_cls", BACKPACK_BACKENDS, ids=lambda c: c.__name__)
-def test_dict_input_points_to_functorch_backend(backend_cls):
+def test_dict_input_to_backpack_extensions_points_to_functorch_backend(backend_cls):
+    """diag/kron run BackPACK's own extensions, which take tensors only."""
     model = kron_friendly_mlp()
     before = model_state(model)
+    x = {"x": torch.zeros(2, 3, dtype=torch.float64)}
     with pytest.raises(InvalidInputError, match="DiffFuncGGN"):
-        backend_cls(model, "regression").jacobians({"x": torch.zeros(2, 3)})
+        backend_cls(model, "regression").diag(x, torch.zeros(2, 3))
+    assert_same_state(before, model_state(model))
+
+
+BAD_DICT_INPUTS = {
+    "no tensors": ({"ids": [1, 2]}, "holds no tensors"),
+    "empty batch": ({"ids": torch.zeros(0, 3, dtype=torch.long)}, "empty batch"),
+    "disagreeing batch sizes": (
+        {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)},
+        "disagree on the batch size",
+    ),
+    "scalar": ({"ids": torch.tensor(1)}, "scalars"),
+    "wrong dtype": ({"x": torch.zeros(2, 3, dtype=torch.float32)}, r"x\['x'\].to"),
+    "wrong device": ({"x": torch.zeros(2, 3, device="meta")}, r"x\['x'\].to"),
+}
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("what", list(BAD_DICT_INPUTS))
+def test_bad_dict_inputs_are_named(backend_cls, what):
+    x, message = BAD_DICT_INPUTS[what]
+    model = kron_friendly_mlp()
+    before = model_state(model)
+    backend = backend_cls(model, "classification")
+    with pytest.raises(InvalidInputError, match=message):
+        backend.jacobians(x, enable_backprop=True)
     assert_same_state(before, model_state(model))
 
 
@@ -103,3 +131,45 @@ def test_exceptions_leave_nothing_behind(backend_cls, where):
             call(backend, x, y)
         assert_same_state(before, model_state(model))
         assert x.grad is None, name
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "picked, message",
+    [
+        (torch.tensor([0, 1, 0]), "rows but the batch has 2"),
+        (torch.tensor([0, 5]), r"must lie in \[0, 3\)"),
+    ],
+    ids=["wrong rows", "out of range"],
+)
+def test_bad_output_selectors(backend_cls, picked, message):
+    model = kron_friendly_mlp()
+    before = model_state(model)
+    x = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match=message):
+        backend_cls(model, "classification").selected_output_jacobians(x, picked)
+    assert_same_state(before, model_state(model))
+
+
+class _AttentionWeightsModel(nn.Module):
+    """Uses MultiheadAttention's returned weights in its output (not supported)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weights = self.attention(x, x, x, need_weights=True)
+        return self.head(out.mean(1)) + weights.sum((1, 2))[:, None]
+
+
+@pytest.mark.parametrize("backend_cls", BACKPACK_BACKENDS, ids=lambda c: c.__name__)
+def test_attention_weights_in_the_output_point_to_functorch_backend(backend_cls):
+    torch.manual_seed(0)
+    model = _AttentionWeightsModel().double().eval()
+    before = model_state(model)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    with pytest.raises(UnsupportedModuleError, match="DiffFuncGGN"):
+        backend_cls(model, "regression").jacobians(x)
+    assert_same_state(before, model_state(model))

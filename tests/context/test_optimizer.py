@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN
+from laplace_diffjac.context import nystrom_gap, optimize_locations
 from laplace_diffjac.context._init import initial_locations, kmeans, random_subset
-from laplace_diffjac.context._optimizer import nystrom_gap, optimize_locations
 from laplace_diffjac.kernels._likelihood_hessians import output_hessians
 from tests.conftest import CASES
 from tests.references import reference_jacobians
@@ -98,6 +98,7 @@ def test_optimiser_decreases_objective_and_records_history():
         batch_size=20,
         progress_bar=False,
         seed=1,
+        evaluate_full=True,
     )
     h = result.history
     assert result.locations.shape == (4, 3)
@@ -143,6 +144,7 @@ def test_cached_training_jacobians_change_nothing(likelihood):
             patience=0,
             progress_bar=False,
             cache_jacobians=cache,
+            evaluate_full=True,
         )
         for cache in (False, True)
     ]

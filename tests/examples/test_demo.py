@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from laplace_diffjac.__main__ import main
-from laplace_diffjac.examples._demo import run_demo
+from laplace_diffjac.examples import run_demo
 
 
 @pytest.mark.parametrize("task", ["regression", "classification"])

@@ -1,0 +1,1 @@
+"""Real-data study: context-point posteriors against their peers (see README.md)."""

@@ -1,0 +1,5 @@
+"""``python -m benchmarks.real``: see :mod:`benchmarks.real.run`."""
+
+from .run import main
+
+main()

@@ -1,0 +1,177 @@
+"""Run every method of one (data set, seed) and turn each into a result row."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from laplace_diffjac import optimize_locations
+
+from .context import SeedContext, random_subset
+from .methods import METHODS, MethodSpec, Row
+from .metrics import log_var_error, share_below
+from .predictive import latent_variance, predictive_metrics
+from .selection import select_prior_precision, sigma_of
+
+__all__ = ["StudyConfig", "evaluate_seed"]
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Sizes of the study (``--quick`` shrinks them)."""
+
+    fractions: tuple[float, ...] = (0.01, 0.02, 0.05, 0.10, 0.20)
+    methods: tuple[str, ...] = tuple(METHODS)
+    steps: int = 100
+    batch_size: int = 128
+    valla_iterations: int = 200
+    grid: tuple[float, ...] = tuple(10.0**k for k in range(-2, 5))
+
+
+def _full_metrics(ctx: SeedContext, delta: float) -> dict[str, Any]:
+    var = ctx.full.latent_variance(ctx.proj_test, delta)
+    return {
+        **predictive_metrics(
+            ctx.likelihood, ctx.f_test, var, ctx.split.y_test, ctx.sigma_noise
+        ),
+        "delta": delta,
+    }
+
+
+def _base_rows(ctx: SeedContext) -> list[dict[str, Any]]:
+    zero = torch.zeros_like(ctx.f_test, dtype=torch.float64)
+    start = time.perf_counter()
+    delta = ctx.full.best_delta()
+    select_s = time.perf_counter() - start
+    start = time.perf_counter()
+    full = _full_metrics(ctx, delta)
+    predict_s = time.perf_counter() - start
+    y, sigma = ctx.split.y_test, ctx.sigma_noise
+    return [
+        {
+            "method": "MAP",
+            **predictive_metrics(ctx.likelihood, ctx.f_test, zero, y, sigma),
+            "selection": "-",
+        },
+        {
+            "method": "FullLaplace",
+            **full,
+            "selection": "evidence (exact, eigenvalues)",
+            "log_var_error": 0.0,
+            "share_below": 0.0,
+            "fit_s": ctx.times["full_fit"] + select_s,
+            "predict_s": predict_s,
+        },
+    ]
+
+
+def _optimised(ctx: SeedContext, row: Row, steps: int, batch: int, delta: float):
+    kwargs: dict[str, Any] = {}
+    if "evaluate_full" in inspect.signature(optimize_locations).parameters:
+        kwargs["evaluate_full"] = False  # once the optimiser offers the switch
+    start = time.perf_counter()
+    result = optimize_locations(
+        ctx.model,
+        ctx.likelihood,
+        (ctx.split.x_train, ctx.split.y_train),
+        m=row.m,
+        init=row.random,
+        prior_precision=delta,
+        sigma_noise=ctx.sigma_noise,
+        steps=steps,
+        batch_size=batch,
+        seed=30_000 + ctx.seed,  # a stream apart from the subset's
+        progress_bar=False,
+        **kwargs,
+    )
+    return result.locations, time.perf_counter() - start
+
+
+def _method_row(spec: MethodSpec, ctx: SeedContext, row: Row, grid, init_delta):
+    start = time.perf_counter()
+    sel = select_prior_precision(
+        lambda d: spec.build(ctx, row, d),
+        ctx,
+        list(grid),
+        use_evidence=spec.selection == "evidence",
+        initial=init_delta,
+        shared=spec.shared,
+    )
+    fit_s = time.perf_counter() - start
+    if spec.selection == "own":
+        sel.how = "own objective (in fit)"
+        delta = torch.as_tensor(sel.posterior.prior_precision).detach()
+        sel.delta = float(delta.reshape(-1)[0])
+    start = time.perf_counter()
+    var = latent_variance(sel.posterior, ctx.jac_test)
+    predict_s = time.perf_counter() - start
+    sigma = sigma_of(sel.posterior, ctx)
+    ref = ctx.full.latent_variance(ctx.proj_test, sel.delta, sigma)
+    return {
+        "method": spec.name,
+        **predictive_metrics(ctx.likelihood, ctx.f_test, var, ctx.split.y_test, sigma),
+        "delta": sel.delta,
+        "selection": sel.how,
+        "log_var_error": log_var_error(var, ref),
+        "share_below": share_below(var, ref),
+        "fit_s": fit_s,
+        "predict_s": predict_s,
+    }
+
+
+def evaluate_seed(
+    ctx: SeedContext,
+    config: StudyConfig,
+    on_method: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """All rows of one (data set, seed): MAP, FullLaplace and every method at every M.
+
+    Parameters
+    ----------
+    ctx : SeedContext
+        Trained network and references.
+    config : StudyConfig
+        Sizes.
+    on_method : callable, optional
+        Called with a label after each method (progress).
+
+    Returns
+    -------
+    list of dict
+        One row per (method, M); a method that raises gets a row with ``error``.
+
+    """
+    rows = _base_rows(ctx)
+    delta_full = rows[1]["delta"]
+    n = ctx.split.x_train.shape[0]
+    for frac in config.fractions:
+        m = max(2, round(frac * n))
+        idx = random_subset(n, m, ctx.seed)
+        row = Row(
+            m,
+            ctx.split.x_train[idx].clone(),
+            ctx.split.y_train[idx].clone(),
+            valla_iterations=config.valla_iterations,
+        )
+        search_s = None
+        for name in config.methods:
+            spec = METHODS[name]
+            if spec.locations == "optimised" and row.optimised is None:
+                row.optimised, search_s = _optimised(
+                    ctx, row, config.steps, config.batch_size, delta_full
+                )
+            try:
+                out = _method_row(spec, ctx, row, config.grid, delta_full)
+            except Exception as err:  # recorded, the study goes on
+                out = {"method": name, "error": f"{type(err).__name__}: {err}"}
+            out.update(m=m, fraction=frac)
+            if spec.locations == "optimised":
+                out["search_s"] = search_s
+            rows.append(out)
+            if on_method is not None:
+                on_method(f"{name} M={m}")
+    return rows

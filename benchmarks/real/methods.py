@@ -1,0 +1,209 @@
+"""The posteriors compared, all on the same trained network of a seed.
+
+Each method is a :class:`MethodSpec`: how to build a posterior at prior precision
+``δ`` from the seed's context and the locations of its row, and whether its
+evidence may choose ``δ``. ``MAP`` and ``FullLaplace`` need no locations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from laplace import Laplace, baselaplace
+
+from laplace_diffjac import ContextPosterior, DiffBackPackGGN, LocationFunctionalLaplace
+
+from .context import SeedContext
+
+__all__ = ["HAS_ELLA_VALLA", "LOCATION_METHODS", "METHODS", "MethodSpec", "Row"]
+
+
+@dataclass
+class Row:
+    """Locations of one (seed, M) row: random subset, its labels, optimised."""
+
+    m: int
+    random: torch.Tensor
+    random_labels: torch.Tensor
+    optimised: torch.Tensor | None = None
+    valla_iterations: int = 100
+
+
+Builder = Callable[[SeedContext, Row, float], Any]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A posterior family and how its ``δ`` is chosen.
+
+    ``selection``: ``'evidence'`` (its own marginal likelihood when it has one,
+    else validation grid), ``'grid'`` (validation NLPD on the grid), ``'own'``
+    (the method learns ``δ`` itself while fitting).
+    """
+
+    name: str
+    build: Builder
+    selection: str
+    locations: str  # 'random', 'optimised' or 'none'
+    shared: bool = False  # build re-tunes one fitted object
+    note: str = ""
+
+
+def _gp_subset(ctx: SeedContext, row: Row, delta: float) -> Any:
+    la = Laplace(
+        ctx.model,
+        ctx.likelihood,
+        subset_of_weights="all",
+        hessian_structure="gp",
+        n_subset=row.m,
+        backend=DiffBackPackGGN,
+        sigma_noise=ctx.sigma_noise,
+        prior_precision=delta,
+    )
+    torch.manual_seed(20_000 + ctx.seed * 101 + row.m)  # its own subset draw
+    la.fit(ctx.train_loader)
+    return la
+
+
+def _context(which: str) -> Builder:
+    def build(ctx: SeedContext, row: Row, delta: float) -> Any:
+        Z = row.random if which == "random" else row.optimised
+        cp = ContextPosterior(
+            ctx.model,
+            ctx.likelihood,
+            Z,
+            sigma_noise=ctx.sigma_noise,
+            prior_precision=delta,
+        )
+        return cp.fit(ctx.train_loader)
+
+    return build
+
+
+def _location_fl(which: str) -> Builder:
+    def build(ctx: SeedContext, row: Row, delta: float) -> Any:
+        Z = row.random if which == "random" else row.optimised
+        full = ctx.likelihood == "classification"
+        la = LocationFunctionalLaplace(
+            ctx.model,
+            ctx.likelihood,
+            Z,
+            output_hessian="full" if full else "diagonal",
+            sigma_noise=ctx.sigma_noise,
+            prior_precision=delta,
+        )
+        la.fit(ctx.train_loader)
+        return la
+
+    return build
+
+
+def _ella() -> Builder:
+    cache: dict[tuple, Any] = {}
+
+    def build(ctx: SeedContext, row: Row, delta: float) -> Any:
+        key = (id(ctx), row.m)
+        if key not in cache:
+            cache.clear()
+            la = Laplace(
+                ctx.model,
+                ctx.likelihood,
+                subset_of_weights="all",
+                hessian_structure="gp",
+                functional_approximation="nystrom",
+                subsample_size=row.m,
+                n_eigenvalues=row.m,
+                backend=DiffBackPackGGN,
+                sigma_noise=ctx.sigma_noise,
+                seed=ctx.seed,
+            )
+            la.fit(ctx.train_loader)
+            cache[key] = la
+        la = cache[key]
+        la.prior_precision = delta
+        return la
+
+    return build
+
+
+def _valla(ctx: SeedContext, row: Row, delta: float) -> Any:
+    classes = row.random_labels if ctx.likelihood == "classification" else None
+    la = Laplace(
+        ctx.model,
+        ctx.likelihood,
+        subset_of_weights="all",
+        hessian_structure="gp",
+        functional_approximation="variational",
+        inducing_locations=row.random.clone(),
+        inducing_classes=classes,
+        backend=DiffBackPackGGN,
+        sigma_noise=ctx.sigma_noise,
+        prior_precision=delta,
+        seed=ctx.seed,
+    )
+    la.fit(ctx.train_loader, iterations=row.valla_iterations, lr=1e-2)
+    return la
+
+
+#: laplace-torch 0.3 has ELLA and VaLLA; with 0.2.3 those rows are left out.
+HAS_ELLA_VALLA = hasattr(baselaplace, "ELLA") and hasattr(baselaplace, "VaLLA")
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec(
+            "GP-subset",
+            _gp_subset,
+            "evidence",
+            "random",
+            note="laplace-torch FunctionalLaplace, its own random subset",
+        ),
+        MethodSpec(
+            "SFR-like CP (random)",
+            _context("random"),
+            "evidence",
+            "random",
+            note="ContextPosterior (DTC) through a random subset",
+        ),
+        MethodSpec(
+            "LFL full-Λ (random)",
+            _location_fl("random"),
+            "grid",
+            "random",
+            note="LocationFunctionalLaplace; evidence is of pseudo-targets",
+        ),
+        MethodSpec(
+            "ELLA",
+            _ella(),
+            "grid",
+            "random",
+            shared=True,
+            note="laplace-torch 0.3 Nyström, subsample = eigenvalues = M",
+        ),
+        MethodSpec(
+            "VaLLA",
+            _valla,
+            "own",
+            "random",
+            note="laplace-torch 0.3; learns δ, σ and Z by its own bound",
+        ),
+        MethodSpec(
+            "CP (optimised)",
+            _context("optimised"),
+            "evidence",
+            "optimised",
+            note="ContextPosterior on optimize_locations(init=random)",
+        ),
+        MethodSpec(
+            "LFL full-Λ (optimised)",
+            _location_fl("optimised"),
+            "grid",
+            "optimised",
+            note="LocationFunctionalLaplace on optimised Z",
+        ),
+    )
+    if HAS_ELLA_VALLA or spec.name not in ("ELLA", "VaLLA")
+}
+LOCATION_METHODS = list(METHODS)

@@ -1,0 +1,240 @@
+"""Aggregate rows over seeds; write RESULTS.md, results.json and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .data import DATASETS  # noqa: E402
+from .published import SFR_DIGITS, SFR_PROTOCOL_NOTE  # noqa: E402
+
+__all__ = ["aggregate", "write_report"]
+
+METRICS = (
+    "nlpd",
+    "accuracy",
+    "rmse",
+    "ece",
+    "log_var_error",
+    "share_below",
+    "fit_s",
+    "search_s",
+    "predict_s",
+)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var)
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and standard deviation over seeds per (data set, method, fraction).
+
+    Parameters
+    ----------
+    rows : list of dict
+        Per-seed rows.
+
+    Returns
+    -------
+    list of dict
+        ``{dataset, method, fraction, m, n_seeds, selection, errors,
+        <metric>: [mean, std]}``; the standard deviation is the sample one
+        (``n − 1``), 0 for a single seed.
+
+    """
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["dataset"], row["method"], row.get("fraction"))].append(row)
+    out = []
+    for (ds, method, frac), grp in groups.items():
+        ok = [r for r in grp if "error" not in r]
+        agg: dict[str, Any] = {
+            "dataset": ds,
+            "method": method,
+            "fraction": frac,
+            "m": [r.get("m") for r in grp],
+            "n_seeds": len(ok),
+            "selection": sorted({r.get("selection", "-") for r in ok}),
+            "errors": [r["error"] for r in grp if "error" in r],
+        }
+        for key in METRICS:
+            vals = [r[key] for r in ok if r.get(key) is not None]
+            if vals:
+                agg[key] = list(_mean_std(vals))
+        out.append(agg)
+    return out
+
+
+def _cell(agg: dict, key: str) -> str:
+    if key not in agg:
+        return "–"
+    mean, std = agg[key]
+    return f"{mean:.3f} ± {std:.3f}"
+
+
+def _nlpd_table(ds: str, aggs: list[dict], fractions: list[float]) -> list[str]:
+    head = "| method | " + " | ".join(f"M = {f:.0%}" for f in fractions) + " |"
+    lines = [head, "|---" * (len(fractions) + 1) + "|"]
+    methods = list(dict.fromkeys(a["method"] for a in aggs))
+    for method in methods:
+        by_f = {a["fraction"]: a for a in aggs if a["method"] == method}
+        cells = [_cell(by_f.get(f, by_f.get(None, {})), "nlpd") for f in fractions]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    if ds == "digits":
+        for label, values in SFR_DIGITS.items():
+            cells = [f"{values[f]:.3f}" if f in values else "–" for f in fractions]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _detail_table(aggs: list[dict], task: str) -> list[str]:
+    keys = ["nlpd", "accuracy", "ece"] if task == "classification" else ["nlpd", "rmse"]
+    keys += ["log_var_error", "share_below", "fit_s", "search_s", "predict_s"]
+    lines = [
+        "| method | M | δ chosen by | " + " | ".join(keys) + " | errors |",
+        "|---" * (len(keys) + 4) + "|",
+    ]
+    order = list(dict.fromkeys(a["method"] for a in aggs))
+    aggs = sorted(aggs, key=lambda a: (order.index(a["method"]), a["fraction"] or 0))
+    for a in aggs:
+        m = sorted({v for v in a["m"] if v is not None})
+        ms = "–" if not m else "/".join(map(str, m))
+        cells = " | ".join(_cell(a, k) for k in keys)
+        sel = ", ".join(a["selection"])
+        lines.append(f"| {a['method']} | {ms} | {sel} | {cells} | {len(a['errors'])} |")
+    return lines
+
+
+def _run_line(metas: list[dict]) -> str:
+    wall = _mean_std([m["total_s"] for m in metas])[0]
+    cpu = [m["cpu_s"] for m in metas if "cpu_s" in m]
+    cpu_text = f", {_mean_std(cpu)[0]:.0f} s CPU" if cpu else ""
+    return (
+        f"N_train = {metas[0]['n_train']}, P = {metas[0]['n_params']}; "
+        f"per seed {wall:.0f} s wall{cpu_text} (mean over seeds)."
+    )
+
+
+def _plot(ds: str, aggs: list[dict], fractions: list[float], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    xs = [100 * f for f in fractions]
+    for a_method in dict.fromkeys(a["method"] for a in aggs):
+        by_f = {a["fraction"]: a for a in aggs if a["method"] == a_method}
+        if None in by_f:  # MAP, FullLaplace: horizontal lines
+            if "nlpd" in by_f[None]:
+                ax.axhline(
+                    by_f[None]["nlpd"][0],
+                    ls=":",
+                    lw=1,
+                    label=a_method,
+                    color="k" if a_method == "MAP" else "grey",
+                )
+            continue
+        pts = [
+            (100 * f, by_f[f]["nlpd"])
+            for f in fractions
+            if f in by_f and "nlpd" in by_f[f]
+        ]
+        if pts:
+            ax.errorbar(
+                [p[0] for p in pts],
+                [p[1][0] for p in pts],
+                yerr=[p[1][1] for p in pts],
+                marker="o",
+                ms=3,
+                capsize=2,
+                label=a_method,
+            )
+    if ds == "digits":
+        for label, values in SFR_DIGITS.items():
+            if label.startswith("MAP"):
+                continue
+            ax.plot(
+                xs, [values.get(f, math.nan) for f in fractions], "--x", label=label
+            )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.minorticks_off()
+    ax.set_xlabel("M (% of N_train)")
+    ax.set_ylabel("test NLPD")
+    ax.set_title(ds)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(records: list[dict], out: Path, command: str) -> dict[str, Any]:
+    """Write ``RESULTS.md``, ``results.json`` and ``nlpd_<data set>.png``.
+
+    Parameters
+    ----------
+    records : list of dict
+        Per-task ``{"meta", "rows"}`` from :func:`~benchmarks.real.runner.run_study`.
+    out : Path
+        Output folder.
+    command : str
+        The command line, recorded in the report.
+
+    Returns
+    -------
+    dict
+        What was written to ``results.json``.
+
+    """
+    rows = [r for rec in records for r in rec["rows"]]
+    aggs = aggregate(rows)
+    result = {
+        "command": command,
+        "meta": [r["meta"] for r in records],
+        "aggregate": aggs,
+        "rows": rows,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        "# Real-data study",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Mean ± standard deviation over seeds. See `benchmarks/real/README.md` "
+        "for the protocol.",
+        "",
+    ]
+    for ds in dict.fromkeys(r["dataset"] for r in rows):
+        sub = [a for a in aggs if a["dataset"] == ds]
+        task = DATASETS[ds].task
+        fractions = sorted({a["fraction"] for a in sub if a["fraction"] is not None})
+        seeds = sorted({r["seed"] for r in rows if r["dataset"] == ds})
+        lines += [
+            f"## {ds} ({task}; seeds {seeds})",
+            "",
+            f"Source: {DATASETS[ds].source}. Licence: {DATASETS[ds].licence}.",
+            "",
+            _run_line([r["meta"] for r in records if r["meta"]["dataset"] == ds]),
+            "",
+            "### Test NLPD",
+            "",
+        ]
+        lines += _nlpd_table(ds, sub, fractions)
+        if ds == "digits":
+            lines += ["", SFR_PROTOCOL_NOTE]
+        lines += ["", "### All metrics", ""]
+        lines += _detail_table(sub, task)
+        plot = out / f"nlpd_{ds}.png"
+        _plot(ds, sub, fractions, plot)
+        lines += ["", f"![NLPD vs M, {ds}]({plot.name})", ""]
+    (out / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    return result

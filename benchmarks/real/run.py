@@ -1,0 +1,96 @@
+"""Command line of the real-data study: ``python -m benchmarks.real`` (or this file).
+
+``--quick`` runs tiny sizes (two small data sets, one seed, few steps) in well
+under a minute; the defaults are the full study (see ``README.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks.real`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "benchmarks.real"
+
+from .data import DATASETS  # noqa: E402
+from .evaluate import StudyConfig  # noqa: E402
+from .methods import METHODS  # noqa: E402
+from .training import TrainConfig  # noqa: E402
+
+SEEDS = (68, 117, 36, 187, 17)
+FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
+QUICK = {
+    "datasets": ["wine", "diabetes"],
+    "seeds": [68],
+    "fractions": [0.05, 0.2],
+    "steps": 5,
+    "valla_iterations": 5,
+    "epochs": 200,
+    "width": 8,
+    "grid": [0.1, 1.0, 10.0],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (``--help`` lists the options)."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, < 1 minute")
+    p.add_argument("--datasets", nargs="+", choices=sorted(DATASETS))
+    p.add_argument("--seeds", nargs="+", type=int)
+    p.add_argument("--fractions", nargs="+", type=float, help="M as shares of N")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS))
+    p.add_argument("--steps", type=int, help="optimize_locations steps")
+    p.add_argument("--batch-size", type=int, default=128, help="optimiser batch")
+    p.add_argument("--valla-iterations", type=int)
+    p.add_argument("--epochs", type=int, help="MAP training epochs (max)")
+    p.add_argument("--width", type=int, help="hidden units per layer (default 50)")
+    p.add_argument("--workers", type=int, default=2, help="processes")
+    p.add_argument("--resume", action="store_true", help="reuse finished tasks")
+    p.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent / "results"
+    )
+    return p.parse_args(argv)
+
+
+def configs(args: argparse.Namespace) -> tuple[list, list, StudyConfig, TrainConfig]:
+    """Data sets, seeds, study and training settings from the arguments."""
+    quick = QUICK if args.quick else {}
+    datasets = args.datasets or quick.get("datasets", list(DATASETS))
+    seeds = args.seeds or quick.get("seeds", list(SEEDS))
+    study = StudyConfig(
+        fractions=tuple(args.fractions or quick.get("fractions", FRACTIONS)),
+        methods=tuple(args.methods or METHODS),
+        steps=args.steps if args.steps is not None else quick.get("steps", 100),
+        batch_size=args.batch_size,
+        valla_iterations=args.valla_iterations or quick.get("valla_iterations", 200),
+        grid=tuple(quick.get("grid", StudyConfig().grid)),
+    )
+    train = TrainConfig(
+        epochs=args.epochs or quick.get("epochs", 300),
+        width=args.width or quick.get("width", 50),
+    )
+    return datasets, seeds, study, train
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the study and write the report into ``--out``."""
+    from .report import write_report
+    from .runner import run_study
+
+    args = parse_args(argv)
+    datasets, seeds, study, train = configs(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = run_study(
+        datasets, seeds, study, train, args.out, args.workers, args.resume
+    )
+    command = "python -m benchmarks.real " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    write_report(records, args.out, command.strip())
+    print(f"wrote {args.out / 'RESULTS.md'}")
+
+
+if __name__ == "__main__":
+    main()

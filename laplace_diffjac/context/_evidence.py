@@ -1,0 +1,159 @@
+"""The linearised-Laplace evidence seen through context locations, and its bound.
+
+The GGN Laplace evidence of laplace-torch (``FullLaplace.log_marginal_likelihood``)
+is, with ``G = Σₙ Jₙᵀ Λₙ Jₙ`` and the prior ``N(μ₀, Σ₀)``::
+
+    log Z = log p(y | θ*) − ½ (θ* − μ₀)ᵀ Σ₀⁻¹ (θ* − μ₀)
+            − ½ log det(I + Σ₀^{½} G Σ₀^{½}).
+
+By Sylvester's identity ``log det(I + Σ₀^{½} G Σ₀^{½}) = log det(I + Λ^{½} K_XX Λ^{½})``
+with ``K = J Σ₀ Jᵀ`` and ``Λ = blockdiag(Λₙ)``. With locations ``Z`` write
+``K_XX = Q_XX + E``, ``Q_XX = K_XZ K_ZZ⁻¹ K_ZX`` and ``E ⪰ 0`` (a Schur complement;
+with a jittered ``K_ZZ + εI`` the ``Q`` only gets smaller, so ``E ⪰ 0`` still).
+``log det`` is concave on positive definite matrices, so its first-order expansion
+around ``I + Λ^{½} Q Λ^{½}`` is an upper bound::
+
+    log det(I + Λ^{½}(Q + E)Λ^{½})
+        ≤ log det(I + Λ^{½}QΛ^{½}) + tr((I + Λ^{½}QΛ^{½})⁻¹ Λ^{½}EΛ^{½})
+        ≤ log det(I + Λ^{½}QΛ^{½}) + tr(ΛE)          [(I + ·)⁻¹ ⪯ I, Λ^{½}EΛ^{½} ⪰ 0]
+
+and ``tr(ΛE) = Σₙ tr(Λₙ (k(xₙ, xₙ) − Q(xₙ, xₙ)))`` since ``Λ`` is block diagonal
+(Titsias's trace term, weighted by the likelihood curvature). Hence::
+
+    log Z ≥ log p(y | θ*) − ½ scatter − ½ log det(I + L⁻¹ K_ZX Λ K_XZ L⁻ᵀ)
+            − ½ Σₙ tr(Λₙ (kₙₙ − Qₙₙ)),     K_ZZ = L Lᵀ,
+
+for *every* ``Z`` (Sylvester again turns the ``N C``-sized determinant into the
+``M C``-sized one). With ``Z = X`` and ``K_XX`` invertible, ``E = 0`` and both
+inequalities are equalities: the bound is the full-data GGN evidence. Both terms
+come from the accumulators: ``A = L⁻¹ (h B) L⁻ᵀ`` with ``h = 1 / (σ² T)`` gives
+the determinant, and ``Σₙ tr(Λₙ Qₙₙ) = tr(K_ZZ⁻¹ K_ZX Λ K_XZ) = tr(A)``,
+``Σₙ tr(Λₙ kₙₙ) = h Σ_p Σ₀_p d_p``.
+
+Everything here is differentiable in the group prior variances, ``h`` (so ``σ``
+and ``T``) and, through :func:`evidence_objective`, in the locations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels import jittered_cholesky
+from ._state import Accumulators
+
+__all__ = ["dtc_factor", "evidence_terms", "log_likelihood"]
+
+
+def dtc_factor(
+    acc: Accumulators, s: torch.Tensor, h: torch.Tensor, jitter: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``L`` (``K_ZZ = L Lᵀ``) and ``A = L⁻¹ K_ZX Λ K_XZ L⁻ᵀ``, both ``(MC, MC)``.
+
+    Parameters
+    ----------
+    acc : Accumulators
+        The sums of ``fit``.
+    s : torch.Tensor
+        ``(G,)`` group prior-variance scales.
+    h : torch.Tensor
+        ``()`` likelihood factor ``1 / (σ² T)``.
+    jitter : float
+        Relative jitter of ``K_ZZ``.
+
+    Returns
+    -------
+    L, A : torch.Tensor
+        Float64.
+
+    """
+    s = s.to(torch.float64)
+    K_zz = torch.einsum("g,gij->ij", s, acc.K_zz)
+    B = torch.einsum("g,h,ghij->ij", s, s, acc.symmetrised_B()) * h
+    L = jittered_cholesky(K_zz, jitter)
+    A = torch.linalg.solve_triangular(L, B, upper=False)
+    A = torch.linalg.solve_triangular(L, A.mT, upper=False)
+    return L, 0.5 * (A + A.mT)
+
+
+def evidence_terms(
+    acc: Accumulators,
+    s: torch.Tensor,
+    prior_var: torch.Tensor,
+    h: torch.Tensor,
+    jitter: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log det(I + A)`` and the trace correction ``Σₙ tr(Λₙ (kₙₙ − Qₙₙ))``.
+
+    Parameters
+    ----------
+    acc : Accumulators
+        The sums of ``fit``.
+    s : torch.Tensor
+        ``(G,)`` group prior-variance scales.
+    prior_var : torch.Tensor
+        ``(P,)`` per-parameter prior variance ``Σ₀`` (consistent with ``s``).
+    h : torch.Tensor
+        ``()`` likelihood factor ``1 / (σ² T)``.
+    jitter : float
+        Relative jitter of ``K_ZZ``.
+
+    Returns
+    -------
+    log_det, trace : torch.Tensor
+        ``()`` each; their sum bounds ``log det(I + Σ₀^{½} G Σ₀^{½})`` from above.
+
+    """
+    _, A = dtc_factor(acc, s, h, jitter)
+    eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
+    log_det = 2 * torch.linalg.cholesky(eye + A).diagonal().log().sum()
+    trace = h * (prior_var.to(torch.float64) * acc.ggn_diag).sum() - A.diagonal().sum()
+    return log_det, trace
+
+
+def log_likelihood(
+    acc: Accumulators,
+    likelihood: str,
+    sigma_noise: torch.Tensor,
+    temperature: float,
+    n_outputs: int,
+) -> torch.Tensor:
+    """laplace-torch's ``log_likelihood`` at the MAP from the accumulated loss.
+
+    Parameters
+    ----------
+    acc : Accumulators
+        The sums of ``fit``.
+    likelihood : {'regression', 'classification'}
+        The likelihood.
+    sigma_noise : torch.Tensor
+        ``()`` observation noise (regression).
+    temperature : float
+        Likelihood temperature.
+    n_outputs : int
+        ``C``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``()``: ``−loss / (σ² T) − N C log(σ √(2π))`` (regression) or
+        ``−loss / T`` (classification), as laplace-torch.
+
+    Raises
+    ------
+    ValueError
+        If ``fit`` saw no targets.
+
+    """
+    if not acc.has_targets:
+        raise ValueError(
+            "The evidence needs the training targets: call fit with a loader of "
+            "(x, y) batches or a tuple (x, y) whose y are (N, C) regression targets "
+            "or (N,) class indices (fit got inputs only or other targets)."
+        )
+    sigma = sigma_noise.to(torch.float64)
+    if likelihood == "regression":
+        norm = acc.n_data * n_outputs * torch.log(sigma * math.sqrt(2 * math.pi))
+        return -acc.loss / (sigma.square() * temperature) - norm
+    return -acc.loss / temperature

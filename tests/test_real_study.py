@@ -1,0 +1,294 @@
+"""The real-data study (``benchmarks/real``): metrics, references, splits, selection,
+report aggregation, and ``--quick`` end to end.
+
+Metrics are checked against hand computations or scipy; the full-Laplace reference
+against laplace-torch's ``FullLaplace`` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.real.context import SeedContext
+from benchmarks.real.data import DATASETS, load_split
+from benchmarks.real.metrics import (
+    accuracy,
+    ece,
+    gaussian_nlpd,
+    log_var_error,
+    nlpd,
+    rmse,
+    share_below,
+)
+from benchmarks.real.predictive import probit
+from benchmarks.real.reference import FullReference
+from benchmarks.real.report import aggregate
+from benchmarks.real.selection import select_prior_precision
+from benchmarks.real.training import make_mlp
+from laplace_diffjac import DiffBackPackGGN
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_nlpd_accuracy_by_hand() -> None:
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.5, 0.4, 0.1]])
+    y = torch.tensor([0, 2, 1])
+    assert nlpd(probs, y) == pytest.approx(
+        -(math.log(0.7) + math.log(0.6) + math.log(0.4)) / 3
+    )
+    assert accuracy(probs, y) == pytest.approx(2 / 3)
+
+
+def test_gaussian_nlpd_and_rmse_against_scipy() -> None:
+    f64 = torch.float64
+    mean = torch.tensor([[0.5], [-1.0], [2.0]], dtype=f64)
+    var = torch.tensor([[0.25], [2.0], [1.0]], dtype=f64)
+    y = torch.tensor([[0.0], [0.5], [2.5]], dtype=f64)
+    ref = -stats.norm.logpdf(y.numpy(), mean.numpy(), np.sqrt(var.numpy())).mean()
+    assert gaussian_nlpd(mean, var, y) == pytest.approx(float(ref), rel=1e-12)
+    assert rmse(mean, y) == pytest.approx(math.sqrt((0.25 + 2.25 + 0.25) / 3))
+
+
+def test_ece_by_hand() -> None:
+    # top-label confidences 0.95, 0.92, 0.55, 0.52, 0.31 (classes 0,0,1,1,2)
+    probs = torch.tensor(
+        [
+            [0.95, 0.03, 0.02],  # bin 10, correct
+            [0.92, 0.05, 0.03],  # bin 10, wrong
+            [0.20, 0.55, 0.25],  # bin 6, correct
+            [0.28, 0.52, 0.20],  # bin 6, wrong
+            [0.34, 0.35, 0.31],  # bin 4, top label 1 with 0.35, wrong
+        ]
+    )
+    y = torch.tensor([0, 1, 1, 0, 2])
+    bin10 = 2 / 5 * abs(0.5 - (0.95 + 0.92) / 2)
+    bin6 = 2 / 5 * abs(0.5 - (0.55 + 0.52) / 2)
+    bin4 = 1 / 5 * abs(0.0 - 0.35)
+    assert ece(probs, y) == pytest.approx(bin10 + bin6 + bin4, rel=1e-6)
+    perfect = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    assert ece(perfect, torch.tensor([0, 1])) == 0.0
+
+
+def test_log_var_error_and_share_below_by_hand() -> None:
+    full = torch.tensor([[1.0, 2.0], [4.0, 0.5]])
+    var = torch.tensor([[math.e, 2.0], [4.0 / math.e**2, 0.5]])
+    assert log_var_error(var, full) == pytest.approx((1 + 0 + 2 + 0) / 4)
+    assert share_below(var, full) == pytest.approx(1 / 4)
+
+
+def test_probit_by_hand() -> None:
+    f = torch.tensor([[1.0, -1.0]])
+    var = torch.tensor([[8 / math.pi, 0.0]])  # kappa = 1/sqrt(2), 1
+    logits = torch.tensor([1 / math.sqrt(2), -1.0])
+    assert torch.allclose(probit(f, var)[0], logits.double().softmax(0))
+
+
+# ------------------------------------------------------ data and splits
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_split_is_70_15_15_standardised_and_disjoint(name: str) -> None:
+    s = load_split(name, 68)
+    n = sum(t.shape[0] for t in (s.x_train, s.x_val, s.x_test))
+    assert abs(s.x_test.shape[0] - 0.15 * n) <= 1
+    assert abs(s.x_val.shape[0] - 0.15 * n) <= 1
+    assert torch.allclose(s.x_train.mean(0), torch.zeros(1), atol=1e-5)
+    sd = s.x_train.std(0, unbiased=False)
+    assert torch.all(((sd - 1).abs() < 1e-4) | (sd == 0))
+    rows = {tuple(r.tolist()) for r in s.x_train}
+    assert not any(tuple(r.tolist()) in rows for r in s.x_test)
+    again = load_split(name, 68)
+    assert torch.equal(again.x_test, s.x_test)
+    assert not torch.equal(load_split(name, 117).x_test, s.x_test)
+    if s.task == "classification":
+        for part in (s.y_val, s.y_test):
+            share = torch.bincount(part, minlength=s.n_outputs) / part.numel()
+            train = torch.bincount(s.y_train, minlength=s.n_outputs) / s.y_train.numel()
+            assert torch.all((share - train).abs() < 0.03)
+
+
+# ------------------------------------------------- full-Laplace reference
+
+
+def _small_full(task: str) -> tuple[FullReference, torch.nn.Module, DataLoader]:
+    name = "wine" if task == "classification" else "diabetes"
+    s = load_split(name, 68)
+    torch.manual_seed(0)
+    model = make_mlp(s.x_train.shape[1], s.n_outputs, width=6).eval()
+    loader = DataLoader(TensorDataset(s.x_train, s.y_train), batch_size=64)
+    return (
+        FullReference(
+            model, task, loader, sigma_noise=0.7 if task == "regression" else 1.0
+        ),
+        model,
+        loader,
+    )
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_reference_matches_full_laplace(task: str) -> None:
+    ref, model, _ = _small_full(task)
+    la = ref.la
+    x = load_split("wine" if task == "classification" else "diabetes", 68).x_test[:7]
+    Js, _ = DiffBackPackGGN(model, task).jacobians(x)
+    proj = Js.double() @ ref.eigenvectors
+    for delta in (0.3, 3.0):
+        la.prior_precision = delta
+        expected = float(la.log_marginal_likelihood())
+        assert ref.log_evidence(delta) == pytest.approx(expected, rel=1e-4)
+        var = la.functional_variance(Js).diagonal(dim1=1, dim2=2).double()
+        assert torch.allclose(ref.latent_variance(proj, delta), var, rtol=1e-3)
+    best = ref.best_delta()
+    assert ref.log_evidence(best) >= ref.log_evidence(best * 1.05)
+    assert ref.log_evidence(best) >= ref.log_evidence(best / 1.05)
+
+
+# ---------------------------------------------------------- selection
+
+
+class _Fake:
+    """Posterior whose latent variance is ``1/δ`` everywhere."""
+
+    def __init__(self, delta: float) -> None:
+        self.prior_precision = delta
+
+    def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
+        n, c, _ = Js.shape
+        return torch.eye(c).expand(n, c, c) / self.prior_precision
+
+
+class _FakeEvidence(_Fake):
+    def optimize_prior_precision(self, method: str) -> None:
+        assert method == "marglik"
+        self.prior_precision = 42.0
+
+
+class _FakeRefuses(_Fake):
+    def optimize_prior_precision(self, method: str) -> None:
+        raise NotImplementedError
+
+
+def _ctx() -> SeedContext:
+    s = load_split("diabetes", 68)
+    n = s.x_val.shape[0]
+    return SeedContext(
+        split=s,
+        seed=0,
+        model=torch.nn.Identity(),
+        sigma_noise=0.5,
+        train_loader=None,
+        full=None,  # type: ignore[arg-type]
+        jac_val=torch.zeros(n, 1, 3),
+        jac_test=torch.zeros(1, 1, 3),
+        f_val=s.y_val + 0.3,
+        f_test=torch.zeros(1, 1),
+        proj_val=torch.zeros(1),
+        proj_test=torch.zeros(1),
+    )
+
+
+def test_selection_by_validation_grid_picks_the_lowest_nlpd() -> None:
+    ctx = _ctx()
+    grid = [0.1, 1.0, 10.0, 100.0]
+    sel = select_prior_precision(_Fake, ctx, grid)
+    scores = [
+        gaussian_nlpd(
+            ctx.f_val, torch.full_like(ctx.f_val, 1 / d + 0.25), ctx.split.y_val
+        )
+        for d in grid
+    ]
+    assert sel.how == "val-grid"
+    assert sel.delta == grid[int(np.argmin(scores))]
+
+
+def test_selection_prefers_evidence_and_falls_back() -> None:
+    ctx = _ctx()
+    sel = select_prior_precision(_FakeEvidence, ctx, [1.0, 2.0])
+    assert (sel.how, sel.delta) == ("marglik", 42.0)
+    assert select_prior_precision(_FakeRefuses, ctx, [1.0, 2.0]).how == "val-grid"
+    off = select_prior_precision(_FakeEvidence, ctx, [1.0, 2.0], use_evidence=False)
+    assert off.how == "val-grid"
+
+
+def test_aggregate_mean_and_sample_std() -> None:
+    rows = [
+        {
+            "dataset": "d",
+            "method": "A",
+            "fraction": 0.1,
+            "m": 3,
+            "nlpd": v,
+            "selection": "x",
+        }
+        for v in (1.0, 2.0, 4.0)
+    ] + [{"dataset": "d", "method": "A", "fraction": 0.1, "m": 3, "error": "E: e"}]
+    (agg,) = aggregate(rows)
+    assert agg["nlpd"][0] == pytest.approx(7 / 3)
+    assert agg["nlpd"][1] == pytest.approx(np.std([1.0, 2.0, 4.0], ddof=1))
+    assert agg["n_seeds"] == 3 and agg["errors"] == ["E: e"]
+
+
+# ---------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_quick_study_end_to_end(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.real",
+            "--quick",
+            "--workers",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("RESULTS.md", "results.json", "nlpd_wine.png", "nlpd_diabetes.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = result["rows"]
+    assert not [r for r in rows if "error" in r]
+    from benchmarks.real.methods import METHODS
+
+    for ds in ("wine", "diabetes"):
+        got = {(r["method"], r.get("fraction")) for r in rows if r["dataset"] == ds}
+        want = {(m, f) for m in METHODS for f in (0.05, 0.2)}
+        assert want | {("MAP", None), ("FullLaplace", None)} == got
+    for r in rows:
+        assert math.isfinite(r["nlpd"])
+        if r["method"] not in ("MAP",):
+            assert r["delta"] > 0 and 0 <= r["share_below"] <= 1
+            assert r["log_var_error"] >= 0
+        if r["task"] == "classification":
+            assert 0 <= r["ece"] <= 1 and 0 <= r["accuracy"] <= 1
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "## wine" in md and "## diabetes" in md and "val-grid" in md
+
+
+def test_ella_and_valla_rows_exactly_when_laplace_torch_has_them() -> None:
+    from laplace import baselaplace
+
+    from benchmarks.real.methods import METHODS
+
+    has = hasattr(baselaplace, "ELLA")
+    assert ("ELLA" in METHODS) == has and ("VaLLA" in METHODS) == has
+    assert {"GP-subset", "CP (optimised)", "LFL full-Λ (optimised)"} <= set(METHODS)
