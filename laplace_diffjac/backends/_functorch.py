@@ -1,7 +1,9 @@
 """``DiffFuncGGN``: the same contract as the BackPACK backends, on ``torch.func``.
 
 Jacobians are per-sample ``vmap(jacrev(functional_call))``, so the cost grows
-linearly with the batch (whole-batch ``jacrev`` grows quadratically). Works for any
+linearly with the batch (whole-batch ``jacrev`` grows quadratically); models with
+recurrent layers (``nn.RNN``/``nn.LSTM``/``nn.GRU``, whose fused kernels ``vmap``
+cannot batch) take ``jacrev`` sample by sample instead. Works for any
 model ``torch.func`` can trace (LayerNorm, attention, custom functions) and for
 dict-like inputs. ``torch.func`` never touches ``.grad``, registers no hooks and
 stores nothing on the model.
@@ -9,7 +11,8 @@ stores nothing on the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from ..jacobians._inputs import (
     check_model_output,
 )
 from ..jacobians._last_layer import last_layer_jacobians
+from ..jacobians._model_guard import preserved_state
 from ._kfac import check_kfac_support, kfac_factors
 
 
@@ -136,8 +140,13 @@ class DiffFuncGGN(GGNInterface):
         in_dims = (None, 0, None if selected is None else 0)
         if not enable_backprop:
             x = _detach(x)
-        with torch.set_grad_enabled(enable_backprop):
-            jac, f = vmap(jac_and_value, in_dims=in_dims)(params, x, selected)
+        # functional_call rebinds RNN modules' flat-weight lists: put them back.
+        with torch.set_grad_enabled(enable_backprop), preserved_state(self.model):
+            if _has_recurrent_layers(self.model):
+                with _without_onednn():
+                    jac, f = _sample_loop(jac_and_value, params, x, selected, batch)
+            else:
+                jac, f = vmap(jac_and_value, in_dims=in_dims)(params, x, selected)
             Js = torch.cat([j.flatten(start_dim=2) for j in jac.values()], dim=2)
         f = check_model_output(f, batch)
         if self.subnetwork_indices is not None:
@@ -218,11 +227,16 @@ class DiffFuncGGN(GGNInterface):
         model = _FlatOutputs(self.model) if flatten else self.model
         targets = y.reshape(-1) if flatten else y
         loss, kron = kfac_factors(
-            model, self.lossfunc, self.params, x, targets, stochastic=stochastic
+            model,
+            self.lossfunc,  # type: ignore[arg-type]
+            self.params,
+            x,
+            targets,
+            stochastic=stochastic,
         )
         for block in kron.kfacs:
             if len(block) == 2:
-                block[1] *= len(y) / N
+                block[1] *= len(y) / N  # type: ignore[index,misc]
         return self.factor * loss, self.factor * kron
 
 
@@ -240,6 +254,58 @@ class _FlatOutputs(nn.Module):
     def forward(self, x: Any) -> torch.Tensor:
         f = self.model(x)
         return f.reshape(-1, f.shape[-1])
+
+
+def _has_recurrent_layers(model: nn.Module) -> bool:
+    """Whether ``model`` holds an ``nn.RNN``/``nn.LSTM``/``nn.GRU``.
+
+    Their fused kernels (``_VF.lstm``, oneDNN's ``mkldnn_rnn_layer``) have no
+    ``vmap`` batching rule and write into hidden states created unbatched, so
+    ``vmap`` over samples fails; ``jacrev`` per sample works.
+
+    Returns
+    -------
+    bool
+        ``True`` if some submodule is an ``nn.RNNBase``.
+
+    """
+    return any(isinstance(m, nn.RNNBase) for m in model.modules())
+
+
+@contextmanager
+def _without_onednn() -> Iterator[None]:
+    """Run recurrent layers on ATen's kernels, not oneDNN's, for this call only.
+
+    oneDNN's ``mkldnn_rnn_layer`` (float32 on CPU) has no ``torch.func`` backward
+    ("undefined Tensor ... 'workspace'"). ``torch.backends.mkldnn.flags`` would do
+    the same but warns about TF32 on every use.
+    """
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+def _sample_loop(
+    jac_and_value: Any,
+    params: dict[str, torch.Tensor],
+    x: Any,
+    selected: torch.Tensor | None,
+    batch: int,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``vmap(jac_and_value)`` as a loop over samples, stacked the same way."""
+    results = [
+        jac_and_value(
+            params,
+            {k: v[i] for k, v in x.items()} if isinstance(x, Mapping) else x[i],
+            None if selected is None else selected[i],
+        )
+        for i in range(batch)
+    ]
+    jac = {name: torch.stack([r[0][name] for r in results]) for name in params}
+    return jac, torch.stack([r[1] for r in results])
 
 
 def _check_no_backward_hooks(model: nn.Module) -> None:

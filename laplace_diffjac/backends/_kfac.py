@@ -153,7 +153,7 @@ def kfac_factors(
                 blocks[index] = [grad_cov, conv_inputs[module]]
             else:
                 blocks[index] = [grad_cov, state["input_covariances"][module].detach()]
-    return loss, Kron(blocks)
+    return loss, Kron(blocks)  # type: ignore[arg-type]
 
 
 def _loss_and_conv_inputs(
@@ -188,8 +188,8 @@ def _loss_and_conv_inputs(
     for name, conv in convs.items():
         inputs = [c.inputs[0] for c in calls if c.module is conv]
         patches = [_unfold(conv, t) for t in inputs]
-        total = sum(torch.einsum("bik,bjk->ij", p, p) for p in patches)
-        factors[name] = total / inputs[0].shape[0]
+        total = torch.stack([torch.einsum("bik,bjk->ij", p, p) for p in patches])
+        factors[name] = total.sum(0) / inputs[0].shape[0]
     return loss.detach(), factors
 
 

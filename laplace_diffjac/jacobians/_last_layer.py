@@ -61,13 +61,10 @@ def last_layer_jacobians(
             f = model(x)
     if not calls:
         raise UnsupportedModuleError("The model's last_layer was not called.")
-    phi = calls[-1].inputs[0]
+    phi = _reduced_features(
+        calls[-1].inputs[0], getattr(model, "feature_reduction", None)
+    )
     f = check_model_output(f, phi.shape[0])
-    if phi.dim() != 2:
-        raise UnsupportedModuleError(
-            f"The last layer's input has shape {tuple(phi.shape)}; closed-form "
-            "last-layer Jacobians need (batch, features)."
-        )
     batch, n_out = phi.shape[0], last.out_features
     eye = torch.eye(n_out, dtype=phi.dtype, device=phi.device)
     Js = torch.einsum("bd,ij->bijd", phi, eye).reshape(batch, n_out, -1)
@@ -76,3 +73,39 @@ def last_layer_jacobians(
     if not enable_backprop:
         return Js.detach(), f.detach()
     return Js, f
+
+
+def _reduced_features(phi: torch.Tensor, reduction: object) -> torch.Tensor:
+    """``(batch, features)`` from the last layer's input, as laplace-torch 0.3 reduces.
+
+    laplace-torch's ``FeatureExtractor(feature_reduction=...)`` serves models that
+    apply the last layer to every token ``(batch, seq, D)`` and return one output
+    row per sample: ``"pick_first"``/``"pick_last"`` take that token's features,
+    ``"average"`` their mean over the intermediate dimensions.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, D)``.
+
+    Raises
+    ------
+    UnsupportedModuleError
+        For inputs with more than two dimensions and no (known) reduction.
+
+    """
+    if phi.dim() == 2:
+        return phi
+    tokens = phi.flatten(start_dim=1, end_dim=-2)  # (batch, positions, D)
+    if reduction == "pick_first":
+        return tokens[:, 0]
+    if reduction == "pick_last":
+        return tokens[:, -1]
+    if reduction == "average":
+        return tokens.mean(dim=1)
+    raise UnsupportedModuleError(
+        f"The last layer's input has shape {tuple(phi.shape)}; closed-form "
+        "last-layer Jacobians need (batch, features). For sequence models pass "
+        "feature_reduction='pick_first', 'pick_last' or 'average' to laplace-torch "
+        "(0.3), as its own backends need too."
+    )

@@ -35,7 +35,7 @@ UPSTREAM = {
 }
 
 #: Backends with a Kronecker-factored curvature (upstream BackPackEF has none).
-HAS_KRON = (DiffBackPackGGN,)
+HAS_KRON = (DiffBackPackGGN, DiffFuncGGN)
 
 LIKELIHOODS = ["regression", "classification"]
 

@@ -43,7 +43,7 @@ def test_diag_equals_upstream(backend, likelihood):
 @backends
 def test_kron_equals_upstream_or_is_refused_alike(backend, likelihood):
     if backend not in HAS_KRON:
-        # DiffBackPackEF (as BackPackEF) and DiffFuncGGN have no KFAC.
+        # DiffBackPackEF has no KFAC, as BackPackEF.
         with pytest.raises(NotImplementedError):
             fit(backend, likelihood, "all", "kron")
         return
