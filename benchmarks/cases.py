@@ -145,7 +145,6 @@ FULL = [
 QUICK = [
     Config("mlp", 16, 3, 8, d_in=8),
     Config("cnn", 8, 2, 2),
-    Config("transformer", 8, 3, 2, depth=1, d_in=11, seq=4, heads=2, ff=16),
 ]
 
 #: Gram configurations and whether the J route (B·C·P floats of J, (B·C)²·P flops)
