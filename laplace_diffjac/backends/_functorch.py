@@ -228,7 +228,7 @@ class DiffFuncGGN(GGNInterface):
         targets = y.reshape(-1) if flatten else y
         loss, kron = kfac_factors(
             model,
-            self.lossfunc,  # type: ignore[arg-type]
+            self.lossfunc,
             self.params,
             x,
             targets,
@@ -236,7 +236,7 @@ class DiffFuncGGN(GGNInterface):
         )
         for block in kron.kfacs:
             if len(block) == 2:
-                block[1] *= len(y) / N  # type: ignore[index,misc]
+                block[1] *= len(y) / N
         return self.factor * loss, self.factor * kron
 
 

@@ -153,7 +153,7 @@ def kfac_factors(
                 blocks[index] = [grad_cov, conv_inputs[module]]
             else:
                 blocks[index] = [grad_cov, state["input_covariances"][module].detach()]
-    return loss, Kron(blocks)  # type: ignore[arg-type]
+    return loss, Kron(blocks)
 
 
 def _loss_and_conv_inputs(
