@@ -28,7 +28,7 @@ class StudyConfig:
     methods: tuple[str, ...] = tuple(METHODS)
     steps: int = 100
     batch_size: int = 128
-    valla_iterations: int = 200
+    valla_iterations: int = 50
     grid: tuple[float, ...] = tuple(10.0**k for k in range(-2, 5))
 
 
