@@ -15,7 +15,7 @@ from .context import SeedContext, random_subset
 from .methods import METHODS, MethodSpec, Row
 from .metrics import log_var_error, share_below
 from .predictive import latent_variance, predictive_metrics
-from .selection import select_prior_precision, sigma_of
+from .selection import Selection, select_prior_precision, sigma_of
 
 __all__ = ["StudyConfig", "evaluate_seed"]
 
@@ -28,7 +28,7 @@ class StudyConfig:
     methods: tuple[str, ...] = tuple(METHODS)
     steps: int = 100
     batch_size: int = 128
-    valla_iterations: int = 200
+    valla_iterations: int = 50
     grid: tuple[float, ...] = tuple(10.0**k for k in range(-2, 5))
 
 
@@ -93,19 +93,22 @@ def _optimised(ctx: SeedContext, row: Row, steps: int, batch: int, delta: float)
 
 def _method_row(spec: MethodSpec, ctx: SeedContext, row: Row, grid, init_delta):
     start = time.perf_counter()
-    sel = select_prior_precision(
-        lambda d: spec.build(ctx, row, d),
-        ctx,
-        list(grid),
-        use_evidence=spec.selection == "evidence",
-        initial=init_delta,
-        shared=spec.shared,
-    )
+    if spec.selection == "own":  # learns δ while fitting: one fit, no grid
+        posterior = spec.build(ctx, row, init_delta)
+        delta = torch.as_tensor(posterior.prior_precision).detach()
+        sel = Selection(
+            posterior, float(delta.reshape(-1)[0]), "own objective (in fit)"
+        )
+    else:
+        sel = select_prior_precision(
+            lambda d: spec.build(ctx, row, d),
+            ctx,
+            list(grid),
+            use_evidence=spec.selection == "evidence",
+            initial=init_delta,
+            shared=spec.shared,
+        )
     fit_s = time.perf_counter() - start
-    if spec.selection == "own":
-        sel.how = "own objective (in fit)"
-        delta = torch.as_tensor(sel.posterior.prior_precision).detach()
-        sel.delta = float(delta.reshape(-1)[0])
     start = time.perf_counter()
     var = latent_variance(sel.posterior, ctx.jac_test)
     predict_s = time.perf_counter() - start

@@ -64,7 +64,7 @@ def configs(args: argparse.Namespace) -> tuple[list, list, StudyConfig, TrainCon
         methods=tuple(args.methods or METHODS),
         steps=args.steps if args.steps is not None else quick.get("steps", 100),
         batch_size=args.batch_size,
-        valla_iterations=args.valla_iterations or quick.get("valla_iterations", 200),
+        valla_iterations=args.valla_iterations or quick.get("valla_iterations", 50),
         grid=tuple(quick.get("grid", StudyConfig().grid)),
     )
     train = TrainConfig(
