@@ -96,9 +96,9 @@ class Moments:
 
     def add(self, xb: torch.Tensor) -> None:
         """Merge a batch ``(b, *input_shape)`` into the moments."""
-        flat = xb.detach().reshape(xb.shape[0], -1).to(_F64)
-        if flat.shape[0] == 0:
+        if xb.shape[0] == 0:
             return
+        flat = xb.detach().reshape(xb.shape[0], -1).to(_F64)
         bn, bmean = flat.shape[0], flat.mean(0)
         bm2 = (flat - bmean).square().sum(0)
         if self.mean is None or self.m2 is None:
