@@ -145,8 +145,9 @@ def streamed_initial_locations(
     mine = slice(rank() * keep, rank() * keep + keep)
     own = found.keys.numel()
     keys[mine] = 2.0  # larger than any key: an empty slot
-    keys[mine][:own] = found.keys.to(device)
-    rows[mine][:own] = found.rows.to(device)
+    if own:
+        keys[mine][:own] = found.keys.to(device)
+        rows[mine][:own] = found.rows.to(device)
     all_reduce_sum(keys)
     all_reduce_sum(rows)
     order = torch.argsort(keys, stable=True)
