@@ -153,6 +153,9 @@ def grid(name: str) -> list[dict]:
             dict(mlp, n=10_000, world=1, fit=False, model="cnn"),
             dict(mlp, n=10_000, world=2, fit=True),
         ]
+    if name == "more":  # the distributed rows added after "small"
+        mlp = dict(model="mlp", m=64, steps=10, fit=False)
+        return [dict(mlp, n=100_000, world=2), dict(mlp, n=10_000, world=4)]
     if name == "quick":
         base = dict(steps=3, fit=True)
         return [
@@ -224,19 +227,24 @@ def main() -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--grid", choices=("quick", "small", "full"), default="full")
+    parser.add_argument(
+        "--grid", choices=("quick", "small", "more", "full"), default="full"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
     parser.add_argument("--worker", type=str, default=None)
+    parser.add_argument("--append", action="store_true", help="keep scaling.json rows")
     args = parser.parse_args()
     if args.worker is not None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
-    rows = []
     args.out.mkdir(parents=True, exist_ok=True)
+    saved = args.out / "scaling.json"
+    rows = json.loads(saved.read_text()) if args.append and saved.exists() else []
     for cfg in grid("quick" if args.quick else args.grid):
         start = time.perf_counter()
         rows.append(dict(cfg, **run_fresh(cfg)))
         print(json.dumps(rows[-1]), f"{time.perf_counter() - start:.0f}s", flush=True)
+        saved.write_text(json.dumps(rows, indent=1))
         report(rows, args.out)  # after every row: a cut-short run keeps its rows
 
 
