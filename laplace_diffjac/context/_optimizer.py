@@ -199,20 +199,22 @@ chunk_size, cache_jacobians, evaluate_full, structured
         as_backend(model, likelihood, backend), prior_precision, s.structured, device
     )
     hessian_args = (likelihood, sigma_noise, temperature, s.chunk_size)
-    if _streams(data, s):
-        assert isinstance(data, DataLoader)
-        source, Z0, lr = _streamed(model, data, m, init, route, hessian_args, s)
+    loader = _streamed_loader(data, s)
+    if loader is not None:
+        source, Z0, lr = _streamed(model, loader, m, init, route, hessian_args, s)
     else:
         source, Z0, lr = _in_memory(model, data, m, init, route, hessian_args, s)
     return _optimise(route, source, Z0.to(device), lr, s)
 
 
-def _streams(data: Data, s: LocationSettings) -> bool:
+def _streamed_loader(data: Data, s: LocationSettings) -> DataLoader | None:
+    """The loader if it is to be streamed (see ``LocationSettings.stream``)."""
     if not isinstance(data, DataLoader):
-        return False
-    if s.stream is None:
-        return isinstance(data.dataset, IterableDataset)
-    return s.stream
+        return None
+    stream = s.stream
+    if stream is None:
+        stream = isinstance(data.dataset, IterableDataset)
+    return data if stream else None
 
 
 def _check_given_init(
