@@ -7,8 +7,16 @@ from numbers import Integral
 import torch
 
 from ..errors import InvalidInputError
+from ._sharding import assemble_rows
 
-__all__ = ["check_init", "initial_locations", "kmeans", "random_subset"]
+__all__ = [
+    "check_init",
+    "check_init_size",
+    "initial_locations",
+    "kmeans",
+    "random_subset",
+    "sharded_initial_locations",
+]
 
 STRATEGIES = ("random", "kmeans")
 
@@ -141,11 +149,36 @@ def check_init(x: torch.Tensor, m: int, init: object) -> None:
         Naming ``m`` or ``init`` and what is accepted.
 
     """
-    _check_m(x, m)
+    check_init_size(x.shape[0], tuple(x.shape[1:]), m, init)
+
+
+def check_init_size(
+    n: int, feature_shape: tuple[int, ...], m: int, init: object
+) -> None:
+    """:func:`check_init` from the data set's size ``N`` and feature shape.
+
+    Parameters
+    ----------
+    n : int
+        Number of inputs ``N`` (over all shards).
+    feature_shape : tuple of int
+        ``input_shape``.
+    m : int
+        Number of locations.
+    init : object
+        ``'random'``, ``'kmeans'`` or locations ``(m, *input_shape)``.
+
+    Raises
+    ------
+    InvalidInputError
+        Naming ``m`` or ``init`` and what is accepted.
+
+    """
+    _check_m_n(n, m)
     if isinstance(init, torch.Tensor):
-        if init.shape != (m, *x.shape[1:]):
+        if init.shape != (m, *feature_shape):
             raise InvalidInputError(
-                f"init (the initial locations) must have shape {(m, *x.shape[1:])} "
+                f"init (the initial locations) must have shape {(m, *feature_shape)} "
                 f"(m inputs of the data's feature shape), got {tuple(init.shape)}."
             )
     elif not isinstance(init, str) or init not in STRATEGIES:
@@ -154,9 +187,65 @@ def check_init(x: torch.Tensor, m: int, init: object) -> None:
         )
 
 
+def sharded_initial_locations(
+    x_local: torch.Tensor,
+    lo: int,
+    n: int,
+    m: int,
+    init: str,
+    generator: torch.Generator,
+    max_inputs: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """:func:`initial_locations` over the shards of a process group.
+
+    The global indices are drawn exactly as a single process draws them on the
+    concatenated data; the rows are assembled by one all-reduce. ``'kmeans'``
+    runs on all ``N`` inputs when ``N <= max_inputs``, else on a uniformly
+    random subset of ``max_inputs`` of them (single process or not).
+
+    Parameters
+    ----------
+    x_local : torch.Tensor
+        This rank's shard ``(n_local, *input_shape)``.
+    lo : int
+        Global index of its first row.
+    n : int
+        ``N`` over all shards.
+    m : int
+        Number of locations.
+    init : {'random', 'kmeans'}
+        Strategy.
+    generator : torch.Generator
+        CPU generator, seeded identically on every rank.
+    max_inputs : int
+        Most inputs k-means sees (and holds) at once.
+    device : torch.device
+        Device of the result (and of the group's communication).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(m, *input_shape)``, identical on every rank.
+
+    """
+    if init == "random":
+        idx = torch.randperm(n, generator=generator)[:m]
+        return assemble_rows(x_local, idx, lo, device)
+    if n <= max_inputs:
+        idx = torch.arange(n)
+    else:
+        idx = torch.randperm(n, generator=generator)[:max_inputs]
+    return kmeans(assemble_rows(x_local, idx, lo, device), m, generator)
+
+
 def _check_m(x: torch.Tensor, m: int) -> None:
-    if isinstance(m, bool) or not isinstance(m, Integral) or not 1 <= m <= x.shape[0]:
+    _check_m_n(x.shape[0], m)
+
+
+def _check_m_n(n: int, m: int) -> None:
+    if isinstance(m, bool) or not isinstance(m, Integral) or not 1 <= m <= n:
         raise InvalidInputError(
             f"m (the number of locations) must be an integer with 1 <= m <= N = "
-            f"{x.shape[0]}, got {m!r}."
+            f"{n}, got {m!r}."
         )

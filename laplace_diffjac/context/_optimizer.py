@@ -1,10 +1,11 @@
 """Optimise context locations: minimise the Nyström gap with Adam on minibatches.
 
-The objective is :func:`laplace_diffjac.context.nystrom_gap`. Everything that does
-not depend on the locations (``Λₙ``, ``tr(Λₙ k(xₙ, xₙ))`` and, when they fit, the
-training inputs' kernel pieces) is computed once (:mod:`._training_cache`); a step
-costs the locations' side of the kernel, ``K_ZZ``, ``K_Zb`` for a minibatch of
-``b`` inputs and one Cholesky factorisation of ``K_ZZ``, whatever ``N`` is.
+The objective is :func:`laplace_diffjac.context.nystrom_gap`. In memory,
+everything that does not depend on the locations (``Λₙ``, ``tr(Λₙ k(xₙ, xₙ))``
+and, when they fit, the training inputs' kernel pieces) is computed once
+(:mod:`._training_cache`); streamed (:mod:`._streaming`), they are computed for
+each step's batch only. Under ``torch.distributed`` every rank evaluates its part
+of the minibatch and the parts are all-reduced (:mod:`._sharding`).
 """
 
 from __future__ import annotations
@@ -15,19 +16,24 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
 from tqdm import tqdm
 
 from ..backends import BackendSpec, as_backend
 from ..kernels import PriorPrecision
 from ._checks import check_finite, check_fits_model, check_like_model, check_likelihood
 from ._data import Data, collect
-from ._init import check_init, initial_locations
+from ._distributed import all_reduce_sum, rank, shard_offsets
+from ._init import check_init_size, sharded_initial_locations
 from ._objective import batch_gap
 from ._routes import Route, make_route
 from ._settings import LocationSettings, resolve_settings
+from ._sharding import check_same_on_ranks, default_lr, sync_gradient
+from ._sources import EarlyStopping, InMemorySource, Source, stream_seed
+from ._streaming import StreamSource, feature_shape, scan, streamed_initial_locations
 from ._training_cache import TrainingCache, training_hessians
 
-__all__ = ["LocationHistory", "LocationResult", "optimize_locations"]
+__all__ = ["LocationHistory", "LocationResult", "optimize_locations", "stream_seed"]
 
 
 @dataclass
@@ -96,9 +102,12 @@ def optimize_locations(
     likelihood : {'regression', 'classification'}
         Determines ``Λₙ`` (see :func:`laplace_diffjac.kernels.output_hessians`).
     data : DataLoader, torch.Tensor or tuple
-        Training data: a loader of ``(x, y)`` batches, inputs ``(N, ...)`` or
-        ``(x, y)``. Only the inputs are used; they are gathered once (memory linear
-        in ``N``), cast to the model's dtype, and minibatches are drawn from them.
+        Training data (this rank's shard under ``torch.distributed``): a loader
+        of ``(x, y)`` batches, inputs ``(N, ...)`` or ``(x, y)``. Only the inputs
+        are used, cast to the model's dtype. In memory (the default for tensors
+        and indexable loaders) they are gathered once (memory linear in ``N``)
+        and minibatches are drawn from them; a streamed loader (see Notes) is
+        never gathered.
     m : int
         Number of locations ``M``, ``1 <= M <= N``.
     init : {'kmeans', 'random'} or torch.Tensor, default='kmeans'
@@ -119,7 +128,7 @@ chunk_size, cache_jacobians, evaluate_full, structured
         None``).
     settings : LocationSettings, optional
         The same options as one object; then leave the keywords above at their
-        defaults.
+        defaults. ``stream`` and ``max_inputs`` are set only here.
 
     Returns
     -------
@@ -138,6 +147,36 @@ chunk_size, cache_jacobians, evaluate_full, structured
         For an invalid prior precision, or ``structured=True`` where the
         structured route does not apply.
 
+    Notes
+    -----
+    **Streaming** (``settings.stream=True`` with a ``DataLoader``, or by default
+    a loader over an ``IterableDataset``, which must be finite): one pass over
+    the loader gives ``N``, the default ``lr`` (streaming per-feature mean and
+    variance) and the initial locations (``'random'``: a uniform random subset
+    drawn by bottom-``m`` random keys; ``'kmeans'``: k-means on such a subset
+    of ``max(m, max_inputs)`` inputs). Each step's minibatch is then the
+    loader's next batch (the iterator restarts at its end), with ``Λₙ`` and
+    the pieces computed for that batch only; the estimate is ``N / b`` times
+    the batch sum (unbiased when the loader's batches are uniform draws, e.g.
+    ``shuffle=True``). Memory holds one batch and the sample, never ``N``.
+
+    **torch.distributed** (a process group is initialised, e.g. by
+    ``torchrun``): ``data`` on each rank is that rank's shard; the shards in
+    rank order form the data set (``N`` is the sum of their sizes; a shard may
+    be empty). In memory, each step's minibatch is the same set of global
+    indices the single-process run draws on the concatenated data; each rank
+    evaluates the part it owns, and the partial objective and gradient in
+    ``Z`` are all-reduced (summed) before the Adam step, so ``Z`` is identical
+    on every rank and equal to the single-process result up to the order of
+    floating-point sums. ``'random'`` and ``'kmeans'`` draw the same global
+    indices as a single process (k-means on all inputs when
+    ``N <= max_inputs``, else on a random subset of ``max_inputs`` of them, in
+    both cases); a given ``init`` must be equal on every rank (checked by a
+    checksum). Early stopping and ``evaluate_full`` use the all-reduced
+    objective, so every rank stops at the same step. Streamed, each rank
+    draws from its own loader and the objective is the sum over ranks scaled
+    by ``N / b`` with the global ``N`` and batch size ``b``.
+
     """
     options = dict(
         steps=steps,
@@ -155,55 +194,124 @@ chunk_size, cache_jacobians, evaluate_full, structured
     )
     s = resolve_settings(settings, options)
     check_likelihood(likelihood)
-    X = _checked_inputs(model, data, m, init)
     device = next(model.parameters()).device
-    Z0 = initial_locations(X, m, init, torch.Generator().manual_seed(s.seed))
     route = make_route(
         as_backend(model, likelihood, backend), prior_precision, s.structured, device
     )
-    lam = training_hessians(
-        model, X, likelihood, sigma_noise, temperature, s.chunk_size
-    )
-    cache = TrainingCache(route, X, lam, s.cache_jacobians, s.chunk_size)
-    return _optimise(route, cache, Z0.to(device), s)
+    hessian_args = (likelihood, sigma_noise, temperature, s.chunk_size)
+    loader = _streamed_loader(data, s)
+    if loader is not None:
+        source, Z0, lr = _streamed(model, loader, m, init, route, hessian_args, s)
+    else:
+        source, Z0, lr = _in_memory(model, data, m, init, route, hessian_args, s)
+    return _optimise(route, source, Z0.to(device), lr, s)
 
 
-def _checked_inputs(
-    model: nn.Module, data: Data, m: int, init: str | torch.Tensor
-) -> torch.Tensor:
-    """The training inputs in the model's dtype, after every check on the inputs."""
-    X, _ = collect(data)
-    check_finite(X, "data")
-    check_init(X, m, init)
+def _streamed_loader(data: Data, s: LocationSettings) -> DataLoader | None:
+    """The loader if it is to be streamed (see ``LocationSettings.stream``)."""
+    if not isinstance(data, DataLoader):
+        return None
+    stream = s.stream
+    if stream is None:
+        stream = isinstance(data.dataset, IterableDataset)
+    return data if stream else None
+
+
+def _check_given_init(
+    model: nn.Module, n: int, shape: tuple[int, ...], m: int, init: object
+) -> None:
+    check_init_size(n, shape, m, init)
     if isinstance(init, torch.Tensor):
         check_like_model(init, "init", model)
         check_finite(init, "init")
-    X = X.to(next(model.parameters()).dtype)
-    check_fits_model(X, "data", model)
-    return X
+        check_same_on_ranks(init, "init")
+
+
+def _in_memory(
+    model: nn.Module,
+    data: Data,
+    m: int,
+    init: str | torch.Tensor,
+    route: Route,
+    hessian_args: tuple,
+    s: LocationSettings,
+) -> tuple[Source, torch.Tensor, float]:
+    """Gather and cache this rank's shard; initial locations and ``lr``."""
+    param = next(model.parameters())
+    X, _ = collect(data)
+    check_finite(X, "data")
+    offsets = shard_offsets(X.shape[0], param.device)
+    lo, n = offsets[rank()], offsets[-1]
+    _check_given_init(model, n, tuple(X.shape[1:]), m, init)
+    X = X.to(param.dtype)
+    if X.shape[0]:
+        check_fits_model(X, "data", model)
+    if isinstance(init, torch.Tensor):
+        Z0 = init.detach().clone()
+    else:
+        gen = torch.Generator().manual_seed(s.seed)
+        Z0 = sharded_initial_locations(
+            X, lo, n, m, init, gen, s.max_inputs, param.device
+        )
+    lam = training_hessians(model, X, *hessian_args)
+    cache = TrainingCache(route, X, lam, s.cache_jacobians, s.chunk_size)
+    lr = (
+        s.lr
+        if s.lr is not None
+        else default_lr(torch.split(X, s.chunk_size), param.device)
+    )
+    return InMemorySource(cache, lo, n, s.batch_size, s.seed), Z0, lr
+
+
+def _streamed(
+    model: nn.Module,
+    loader: DataLoader,
+    m: int,
+    init: str | torch.Tensor,
+    route: Route,
+    hessian_args: tuple,
+    s: LocationSettings,
+) -> tuple[Source, torch.Tensor, float]:
+    """One pass over this rank's loader; a source serving its batches."""
+    device = next(model.parameters()).device
+    keep = 0 if isinstance(init, torch.Tensor) else m
+    if init == "kmeans":
+        keep = max(m, s.max_inputs)
+    found = scan(loader, model, keep, s.seed, device)
+    n = int(all_reduce_sum(torch.tensor([found.n], device=device)))
+    shape = feature_shape(found, device)
+    _check_given_init(model, n, shape, m, init)
+    if isinstance(init, torch.Tensor):
+        Z0 = init.detach().clone()
+    else:
+        Z0 = streamed_initial_locations(found, shape, m, init, s.seed, device)
+    lr = s.lr if s.lr is not None else found.lr
+    return StreamSource(loader, model, route, n, found.n, hessian_args), Z0, lr
 
 
 def _optimise(
-    route: Route, cache: TrainingCache, Z0: torch.Tensor, s: LocationSettings
+    route: Route, source: Source, Z0: torch.Tensor, lr: float, s: LocationSettings
 ) -> LocationResult:
     history = LocationHistory()
     if s.evaluate_full:
-        history.initial_objective = _full_gap(route, cache, Z0, s)
-    lr = s.lr if s.lr is not None else _default_lr(cache.X)
+        history.initial_objective = _full_gap(route, source, Z0, s)
     Z = Z0.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([Z], lr=lr)
-    batches = _Minibatches(len(cache), s.batch_size, s.seed)
-    stopper = _EarlyStopping(s.patience, s.rel_tol)
+    stopper = EarlyStopping(s.patience, s.rel_tol)
     start = time.perf_counter()
     bar = tqdm(range(s.steps), desc="Locations", disable=not s.progress_bar)
     for _ in bar:
-        pieces, lam, trace = cache.batch(batches.next())
-        loss = batch_gap(
-            route, route.pieces(Z, graph=True), pieces, lam, trace, s.jitter
-        ) * (len(cache) / len(trace))
-        (Z.grad,) = torch.autograd.grad(loss, Z)
+        part = source.next_local()
+        if part is None:
+            loss, grad, b = Z.new_zeros((), dtype=torch.float64), torch.zeros_like(Z), 0
+        else:
+            pieces, lam, trace = part
+            z_pieces = route.pieces(Z, graph=True)
+            loss = batch_gap(route, z_pieces, pieces, lam, trace, s.jitter)
+            (grad,) = torch.autograd.grad(loss, Z)
+            b = len(trace)
+        value, Z.grad, _ = sync_gradient(loss, grad, b, source.n)
         optimizer.step()
-        value = float(loss.detach())
         history.objective.append(value)
         history.time.append(time.perf_counter() - start)
         bar.set_postfix(objective=f"{value:.4g}")
@@ -213,89 +321,17 @@ def _optimise(
     bar.close()
     locations = Z.detach()
     if s.evaluate_full:
-        history.final_objective = _full_gap(route, cache, locations, s)
+        history.final_objective = _full_gap(route, source, locations, s)
     return LocationResult(locations, history)
 
 
-def _default_lr(X: torch.Tensor) -> float:
-    """``0.05`` times the inputs' mean standard deviation per feature."""
-    std = (
-        X.reshape(X.shape[0], -1).std(dim=0).mean()
-        if X.shape[0] > 1
-        else X.new_ones(())
-    )
-    return 0.05 * float(std.clamp_min(1e-8))
-
-
 def _full_gap(
-    route: Route, cache: TrainingCache, Z: torch.Tensor, s: LocationSettings
+    route: Route, source: Source, Z: torch.Tensor, s: LocationSettings
 ) -> float:
-    total = 0.0
+    """The gap over all ``N`` inputs (summed over ranks)."""
+    total = torch.zeros((), dtype=torch.float64, device=Z.device)
     with torch.no_grad():
         z_pieces = route.pieces(Z, graph=False)
-        for start in range(0, len(cache), s.batch_size):
-            pieces, lam, trace = cache.batch(slice(start, start + s.batch_size))
-            total += float(batch_gap(route, z_pieces, pieces, lam, trace, s.jitter))
-    return total
-
-
-def stream_seed(seed: int, stream: int) -> int:
-    """A 63-bit seed for stream ``stream`` of ``seed`` (SplitMix64 finaliser).
-
-    Stream 0 is not used: ``torch.Generator().manual_seed(seed)`` is the
-    initialisation's stream, so a random subset drawn with it never shares its
-    permutation with the minibatch order (stream 1).
-
-    Parameters
-    ----------
-    seed : int
-        The user's seed.
-    stream : int
-        Index of the stream, ``>= 1``.
-
-    Returns
-    -------
-    int
-        Seed in ``[0, 2⁶³)``.
-
-    """
-    mask = 2**64 - 1
-    z = (seed + stream * 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return (z ^ (z >> 31)) >> 1
-
-
-class _Minibatches:
-    """Uniform minibatches without replacement within a pass (own random stream)."""
-
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
-        self.n, self.b = n, min(batch_size, n)
-        self.gen = torch.Generator().manual_seed(stream_seed(seed, 1))
-        self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
-
-    def next(self) -> torch.Tensor:
-        if self.cursor + self.b > self.n:
-            self.order, self.cursor = torch.randperm(self.n, generator=self.gen), 0
-        idx = self.order[self.cursor : self.cursor + self.b]
-        self.cursor += self.b
-        return idx
-
-
-class _EarlyStopping:
-    """Stop after ``patience`` steps without a relative improvement of the EMA."""
-
-    def __init__(self, patience: int, rel_tol: float) -> None:
-        self.patience, self.rel_tol = patience, rel_tol
-        self.best, self.since_best = math.inf, 0
-        self.ema: float | None = None
-
-    def stop(self, value: float) -> bool:
-        self.ema = value if self.ema is None else 0.9 * self.ema + 0.1 * value
-        if math.isinf(self.best) or self.ema < self.best - self.rel_tol * abs(
-            self.best
-        ):
-            self.best, self.since_best = self.ema, 0
-        else:
-            self.since_best += 1
-        return bool(self.patience) and self.since_best >= self.patience
+        for pieces, lam, trace in source.full_local():
+            total += batch_gap(route, z_pieces, pieces, lam, trace, s.jitter)
+    return float(all_reduce_sum(total.reshape(1)))

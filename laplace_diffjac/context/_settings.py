@@ -52,6 +52,16 @@ class LocationSettings:
         (chains of Linear layers and elementwise activations, scalar prior,
         all parameters), else Jacobians; ``True``: require it; ``False``: always
         Jacobians.
+    stream : bool, optional
+        Stream a ``DataLoader`` instead of gathering its inputs: one pass for
+        ``N``, the default ``lr`` and the initial locations, then every step
+        evaluates the loader's next batch (``Λₙ`` and pieces for that batch
+        only). ``None``: stream exactly when the loader's dataset is an
+        ``IterableDataset`` (it cannot be indexed, and may not fit in memory).
+        Ignored for tensors.
+    max_inputs : int, default=10000
+        Most inputs held at once for the initialisation: the k-means
+        subsample (in memory and streaming) and the streaming reservoir.
 
     Raises
     ------
@@ -72,12 +82,15 @@ class LocationSettings:
     cache_jacobians: bool | None = None
     evaluate_full: bool = False
     structured: bool | None = None
+    stream: bool | None = None
+    max_inputs: int = 10_000
 
     def __post_init__(self) -> None:
         """Check every option; raise naming the first one out of range."""
         _need(self.steps >= 0, "steps", "a number of Adam steps >= 0", self.steps)
         _need(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
         _need(self.chunk_size >= 1, "chunk_size", "an integer >= 1", self.chunk_size)
+        _need(self.max_inputs >= 1, "max_inputs", "an integer >= 1", self.max_inputs)
         _need(self.patience >= 0, "patience", ">= 0 (0 disables it)", self.patience)
         ok_lr = self.lr is None or (math.isfinite(self.lr) and self.lr > 0)
         _need(ok_lr, "lr", "a finite learning rate > 0 or None", self.lr)

@@ -18,6 +18,7 @@ from ._routes import Pieces, Route
 __all__ = ["TrainingCache", "training_hessians"]
 
 _CACHE_BYTES = 512 * 2**20
+_F64 = torch.float64
 
 
 def training_hessians(
@@ -97,14 +98,18 @@ class TrainingCache:
         for xc, lam in zip(
             torch.split(X, chunk_size), torch.split(hessians, chunk_size)
         ):
+            if xc.shape[0] == 0:
+                continue
             p = route.pieces(xc.to(self.device), graph=False)
             traces.append(pieces_trace(route, p, lam))
             if keep is None:
                 keep = _nbytes(p) * X.shape[0] / xc.shape[0] <= _CACHE_BYTES
             if keep:
                 kept.append(p)
-        self.trace_nn = torch.cat(traces)
-        if keep:
+        self.trace_nn = (
+            torch.cat(traces) if traces else hessians.new_zeros((0,), dtype=_F64)
+        )
+        if keep and kept:
             self.pieces = route.cat(kept)
 
     def __len__(self) -> int:
