@@ -173,6 +173,11 @@ class LocationFunctionalLaplace(FunctionalLaplace):
     def __call__(self, x: torch.Tensor, pred_type: str = "gp", *args, **kwargs):
         """laplace-torch's ``la(x, pred_type='gp', ...)``, never with a stale factor.
 
+        Returns
+        -------
+        torch.Tensor or tuple of torch.Tensor
+            As laplace-torch's ``FunctionalLaplace.__call__``.
+
         Raises
         ------
         ValueError

@@ -31,12 +31,15 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..backends import BackendSpec, DiffBackPackGGN, as_backend
+from ..errors import InvalidInputError
 from ..kernels import PriorPrecision, flat_gram, jacobians
 from ._data import Data, collect
+from ._distributed import is_distributed
 from ._evidence import dtc_factor
 from ._hyperparameters import PriorGroups, infer_structure
 from ._laplace_api import LaplaceInterface, layer_sizes
 from ._predictive import gaussian_samples, link_probabilities
+from ._reduce import check_shard, reduce_accumulators
 from ._state import Accumulators
 from ._training_data import check_inputs, xy_batches
 
@@ -140,8 +143,12 @@ class ContextPosterior(LaplaceInterface):
         Parameters
         ----------
         train_loader : DataLoader, torch.Tensor or tuple
-            Training data: a loader of ``(x, y)`` batches, inputs or ``(x, y)``.
-            The posterior needs no targets; the evidence does.
+            Training data: a loader of ``(x, y)`` batches (also over an
+            ``IterableDataset``; one batch is held at a time), inputs or
+            ``(x, y)``. The posterior needs no targets; the evidence does.
+            Under ``torch.distributed``: this rank's shard (may be empty); the
+            sums are all-reduced, so every rank gets the same posterior. Every
+            rank must call ``fit``.
         progress_bar : bool, default=False
             Show a tqdm progress bar.
 
@@ -155,12 +162,12 @@ class ContextPosterior(LaplaceInterface):
         InvalidInputError
             For training inputs that are not finite, have another feature shape
             than the locations or another dtype than the model (before any work
-            for tensors; for a loader the posterior is left as it was).
+            for tensors; for a loader the posterior is left as it was), for a
+            ``DistributedSampler`` that pads its shards with repeated points, or
+            if there are no training points at all.
 
         """
-        if not isinstance(train_loader, DataLoader):  # all inputs at once, up front
-            x, _ = collect(train_loader)
-            check_inputs(x, "train_loader", self._dtype, self.locations.shape[1:])
+        self._check_data(train_loader, "train_loader")
         prec = self.prior_precision.detach()
         structure = infer_structure(self._structure_request, prec, self.n_layers)
         groups = PriorGroups.build(structure, prec, self._layer_sizes)
@@ -168,8 +175,22 @@ class ContextPosterior(LaplaceInterface):
         J_z = jacobians(self.backend, Z, enable_backprop=False).to(torch.float64)
         acc = Accumulators.empty(J_z.detach(), groups)
         self._accumulate(acc, groups, train_loader, progress_bar)
+        reduce_accumulators(acc)
+        if acc.n_data == 0:
+            raise InvalidInputError(
+                "train_loader yielded no training points (on any rank); pass the "
+                "training data."
+            )
         self._acc, self._groups, self._W = acc, groups, None
         return self
+
+    def _check_data(self, data: Data, name: str) -> None:
+        """Checks before any work: a tensor's inputs, a loader's sharding."""
+        check_shard(data, name)
+        if not isinstance(data, DataLoader):  # all inputs at once, up front
+            x, _ = collect(data)
+            shape = self.locations.shape[1:]
+            check_inputs(x, name, self._dtype, shape, allow_empty=is_distributed())
 
     def update(
         self, x_new: torch.Tensor, y_new: torch.Tensor | None = None
@@ -182,7 +203,9 @@ class ContextPosterior(LaplaceInterface):
         Parameters
         ----------
         x_new : torch.Tensor
-            ``(b, *input_shape)``.
+            ``(b, *input_shape)``; under ``torch.distributed`` this rank's new
+            points (``b = 0`` allowed), reduced over the ranks like ``fit``'s;
+            every rank must call ``update``.
         y_new : torch.Tensor, optional
             ``(b, ...)`` targets; without them the evidence is unavailable.
 
@@ -200,9 +223,13 @@ class ContextPosterior(LaplaceInterface):
 
         """
         acc, groups = self._fitted()
-        check_inputs(x_new, "x_new", self._dtype, self.locations.shape[1:])
+        shape = self.locations.shape[1:]
+        check_inputs(x_new, "x_new", self._dtype, shape, allow_empty=is_distributed())
         data = x_new if y_new is None else (x_new, y_new)
-        self._accumulate(acc, groups, data, progress_bar=False)
+        new = acc.zeros_like()
+        self._accumulate(new, groups, data, progress_bar=False)
+        reduce_accumulators(new)  # only the new sums: the old ones are reduced
+        acc.merge(new)
         self._W = None
         return self
 
