@@ -31,8 +31,10 @@ import torch
 from ..backends import JacobianBackend
 from ..kernels import flat_gram, jacobians, jittered_cholesky, output_hessians
 from ._data import Data
+from ._distributed import is_distributed
 from ._evidence import log_likelihood
 from ._hyperparameters import PriorGroups
+from ._reduce import check_shard, reduce_accumulators, reduce_sum
 from ._state import Accumulators
 from ._training_data import xy_batches
 
@@ -87,7 +89,11 @@ def evidence_loss_backward(
     locations : torch.Tensor
         ``Z`` ``(M, *input_shape)``; gets ``.grad`` if it requires grad.
     data : DataLoader or tuple
-        Training data with targets (``(x, y)`` batches or a tuple ``(x, y)``).
+        Training data with targets (``(x, y)`` batches or a tuple ``(x, y)``);
+        a loader (also over an ``IterableDataset``) is read twice, one batch at
+        a time. Under ``torch.distributed``: this rank's shard (may be empty);
+        the data sums and the gradient in ``Z`` are all-reduced, so the loss and
+        every ``.grad`` are the same on every rank (all ranks must call it).
     likelihood : {'regression', 'classification'}
         The likelihood.
     prior_precision : torch.Tensor
@@ -115,6 +121,8 @@ def evidence_loss_backward(
     ------
     ValueError
         If the data has no targets or the prior precision is not scalar.
+    InvalidInputError
+        For a ``DistributedSampler`` that pads its shards with repeated points.
 
     """
     if prior_precision.numel() != 1:
@@ -122,12 +130,14 @@ def evidence_loss_backward(
     P = sum(p.numel() for p in backend.params)
     weight = torch.ones(P, dtype=torch.float64, device=locations.device)
     groups = PriorGroups("scalar", ((0, P),), weight, len(backend.params))
+    check_shard(data, "data")
     with torch.no_grad():
         J_z0 = jacobians(backend, locations.detach(), enable_backprop=False)
         acc = Accumulators.empty(J_z0.to(torch.float64), groups)
         for xb, yb in xy_batches(data, batch_size):
-            Js, f = backend.jacobians(xb, enable_backprop=False)
+            Js, f = backend.jacobians(xb.to(locations.device), enable_backprop=False)
             acc.add(Js, f, yb, groups, likelihood)
+    reduce_accumulators(acc)  # pass 2 needs the full-data B
     J_z = jacobians(backend, locations, enable_backprop=True).to(torch.float64)
     K_zz = flat_gram(J_z, J_z)
     B = acc.symmetrised_B()[0, 0].clone().requires_grad_()
@@ -142,14 +152,40 @@ def evidence_loss_backward(
     (-bound).backward(retain_graph=wants_z, inputs=[B, *inputs])
     if wants_z:
         assert B.grad is not None
-        grad_B = B.grad.detach()
-        MC = grad_B.shape[0]
-        for xb, _ in xy_batches(data, batch_size):
-            with torch.no_grad():
-                Js, f = backend.jacobians(xb, enable_backprop=False)
-                lam = output_hessians(f.to(torch.float64), likelihood)
-            K = flat_gram(J_z, Js.to(torch.float64)).reshape(MC, *f.shape)
-            KL = torch.einsum("kbc,bce->kbe", K, lam).reshape(MC, -1)
-            B_b = K.reshape(MC, -1) @ KL.T
-            (grad_B * B_b).sum().backward(retain_graph=True, inputs=[locations])
+        _data_gradient(backend, locations, J_z, B.grad.detach(), data, likelihood,
+                       batch_size)  # fmt: skip
     return (-bound).detach()
+
+
+def _data_gradient(
+    backend: JacobianBackend,
+    locations: torch.Tensor,
+    J_z: torch.Tensor,
+    grad_B: torch.Tensor,
+    data: Data,
+    likelihood: str,
+    batch_size: int,
+) -> None:
+    """Pass 2: add ``Σ_batches ⟨∂F/∂B, ∂B_batch/∂Z⟩`` to ``locations.grad``.
+
+    Under ``torch.distributed`` only this part of the gradient is a sum over
+    data, so only it is all-reduced; the direct terms (and the hyperparameters'
+    gradients, which see the data only through the reduced sums) are already the
+    same on every rank.
+    """
+    before = locations.grad.detach().clone() if locations.grad is not None else None
+    MC = grad_B.shape[0]
+    for xb, _ in xy_batches(data, batch_size):
+        with torch.no_grad():
+            Js, f = backend.jacobians(xb.to(locations.device), enable_backprop=False)
+            lam = output_hessians(f.to(torch.float64), likelihood)
+        K = flat_gram(J_z, Js.to(torch.float64)).reshape(MC, *f.shape)
+        KL = torch.einsum("kbc,bce->kbe", K, lam).reshape(MC, -1)
+        B_b = K.reshape(MC, -1) @ KL.T
+        (grad_B * B_b).sum().backward(retain_graph=True, inputs=[locations])
+    if not is_distributed():
+        return
+    local = torch.zeros_like(locations) if locations.grad is None else locations.grad
+    local = local.detach() - (0 if before is None else before)
+    total = reduce_sum(local)
+    locations.grad = total if before is None else before + total

@@ -32,7 +32,7 @@ Two departures from laplace-torch, both confined to this class:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from laplace import FunctionalLaplace
@@ -42,7 +42,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..backends import DiffBackPackGGN
 from ..kernels._likelihood_hessians import output_hessians
-from ._data import Data, collect
+from ._data import Data
+from ._loader_size import SizedLoader, as_loader, data_size
 
 __all__ = ["LocationFunctionalLaplace", "functional_laplace_on_locations"]
 
@@ -120,8 +121,18 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         self._full_R: torch.Tensor | None = None
         self._full_chol: torch.Tensor | None = None
 
-    def fit(self, train_loader: Data, progress_bar: bool = False) -> None:
+    def fit(
+        self,
+        train_loader: Data,
+        progress_bar: bool = False,
+        n_data: int | None = None,
+    ) -> None:
         """Fit on the locations; ``train_loader`` sets ``N`` (and the batch size).
+
+        Only the first batch is read (for the output size), so a loader over an
+        ``IterableDataset`` streams; laplace-torch takes ``N`` from
+        ``len(train_loader.dataset)``, which such a data set may not have: then
+        pass ``n_data``.
 
         Parameters
         ----------
@@ -131,14 +142,27 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             model's output size.
         progress_bar : bool, default=False
             Show laplace-torch's progress bar.
+        n_data : int, optional
+            The number ``N`` of training points, instead of
+            ``len(train_loader.dataset)``. Under ``torch.distributed`` with a
+            split of your own, pass the global ``N`` (a ``DistributedSampler``
+            loader's data set already has it); the fit itself reads only the
+            locations and is the same on every rank.
+
+        Raises
+        ------
+        InvalidInputError
+            If ``N`` is unknown (a data set without ``len`` and no ``n_data``),
+            or ``n_data`` is not a positive integer.
 
         """
-        train_loader = _as_loader(train_loader)
+        loader = as_loader(train_loader)
+        sized = cast(DataLoader, SizedLoader(loader, data_size(loader, n_data)))
         if self.output_hessian == "full":
             with torch.no_grad():
                 f = self.model(self.locations.to(self._device))
             self._lam_full = output_hessians(f.to(torch.float64), self.likelihood)
-        super().fit(train_loader, progress_bar=progress_bar)
+        super().fit(sized, progress_bar=progress_bar)
         self._recompute_Sigma = False  # 0.2.3 leaves it set after fitting
         self._sigma_key = self._hyper_key()
         if self.reweight:
@@ -172,6 +196,11 @@ class LocationFunctionalLaplace(FunctionalLaplace):
 
     def __call__(self, x: torch.Tensor, pred_type: str = "gp", *args, **kwargs):
         """laplace-torch's ``la(x, pred_type='gp', ...)``, never with a stale factor.
+
+        Returns
+        -------
+        torch.Tensor or tuple of torch.Tensor
+            As laplace-torch's ``FunctionalLaplace.__call__``.
 
         Raises
         ------
@@ -318,15 +347,6 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         return DataLoader(
             TensorDataset(Z, y), batch_size=train_loader.batch_size, shuffle=False
         )
-
-
-def _as_loader(data: Data) -> DataLoader:
-    """A loader for laplace-torch's ``fit`` from any ``Data`` (see ``_data``)."""
-    if isinstance(data, DataLoader):
-        return data
-    x, y = collect(data)
-    dataset = TensorDataset(x) if y is None else TensorDataset(x, y)
-    return DataLoader(dataset, batch_size=min(len(x), 256), shuffle=False)
 
 
 def functional_laplace_on_locations(

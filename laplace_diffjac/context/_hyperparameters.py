@@ -170,6 +170,11 @@ class PriorGroups:
     ) -> torch.Tensor:
         """Per-group prior variance scales ``(G,)``, differentiable.
 
+        Returns
+        -------
+        torch.Tensor
+            ``(G,)`` float64.
+
         Raises
         ------
         ValueError

@@ -1,20 +1,19 @@
 """Linearised-Laplace posterior seeing all ``N`` points through ``M`` locations.
 
-DTC / Nyström form with the GGN likelihood Hessian.
-
-With the prior-scaled NTK ``K = J Σ₀ Jᵀ``, locations ``Z`` and the GGN likelihood
-Hessians ``Λ = blockdiag(Λₙ)`` of all training points, the latent posterior
-covariance at test inputs is::
+DTC / Nyström form with the GGN likelihood Hessian. With the prior-scaled NTK
+``K = J Σ₀ Jᵀ``, locations ``Z`` and the GGN likelihood Hessians
+``Λ = blockdiag(Λₙ)`` of all training points, the latent posterior covariance at
+test inputs is::
 
     Σ** = K** − K*Z (K_ZZ⁻¹ − (K_ZZ + K_ZX Λ K_XZ)⁻¹) K_Z*
 
 and the mean is the MAP network's output (the linearised predictive). ``fit``
-accumulates ``K_ZX Λ K_XZ`` (per prior group, without the ``1 / (σ² T)`` factor;
-:mod:`~laplace_diffjac.context._state`) over minibatches, so memory is linear in
-``N`` only through the data loader. With ``Z = X`` (``M = N``) and an invertible
-``K_XX`` this is exactly the full-data GGN Laplace predictive, and
-:meth:`ContextPosterior.log_marginal_likelihood` its evidence; for any other ``Z``
-the evidence is a lower bound (derivation in :mod:`~laplace_diffjac.context._evidence`).
+accumulates ``K_ZX Λ K_XZ`` (per prior group, without ``1 / (σ² T)``;
+:mod:`~laplace_diffjac.context._state`) one batch at a time, all-reduced over the
+ranks of a ``torch.distributed`` group (:mod:`~laplace_diffjac.context._reduce`).
+With ``Z = X`` and an invertible ``K_XX`` this is the full-data GGN Laplace
+predictive and :meth:`ContextPosterior.log_marginal_likelihood` its evidence, else
+a lower bound (derivation in :mod:`~laplace_diffjac.context._evidence`).
 
 The factor is computed in float64 as ``K_ZZ = L Lᵀ``,
 ``L⁻¹ (K_ZX Λ K_XZ) L⁻ᵀ = U diag(s) Uᵀ`` and ``W = L⁻ᵀ U diag(√(s / (1 + s)))``, so
@@ -27,18 +26,20 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from ..backends import BackendSpec, DiffBackPackGGN, as_backend
+from ..errors import InvalidInputError
 from ..kernels import PriorPrecision, flat_gram, jacobians
-from ._data import Data, collect
+from ._data import Data
+from ._data_pass import accumulate, check_data, model_jacobians
+from ._distributed import is_distributed
 from ._evidence import dtc_factor
 from ._hyperparameters import PriorGroups, infer_structure
 from ._laplace_api import LaplaceInterface, layer_sizes
 from ._predictive import gaussian_samples, link_probabilities
+from ._reduce import reduce_accumulators
 from ._state import Accumulators
-from ._training_data import check_inputs, xy_batches
+from ._training_data import check_inputs
 
 __all__ = ["ContextPosterior"]
 
@@ -140,8 +141,12 @@ class ContextPosterior(LaplaceInterface):
         Parameters
         ----------
         train_loader : DataLoader, torch.Tensor or tuple
-            Training data: a loader of ``(x, y)`` batches, inputs or ``(x, y)``.
-            The posterior needs no targets; the evidence does.
+            Training data: a loader of ``(x, y)`` batches (also over an
+            ``IterableDataset``; one batch is held at a time), inputs or
+            ``(x, y)``. The posterior needs no targets; the evidence does.
+            Under ``torch.distributed``: this rank's shard (may be empty); the
+            sums are all-reduced, so every rank gets the same posterior. Every
+            rank must call ``fit``.
         progress_bar : bool, default=False
             Show a tqdm progress bar.
 
@@ -155,19 +160,25 @@ class ContextPosterior(LaplaceInterface):
         InvalidInputError
             For training inputs that are not finite, have another feature shape
             than the locations or another dtype than the model (before any work
-            for tensors; for a loader the posterior is left as it was).
+            for tensors; for a loader the posterior is left as it was), for a
+            ``DistributedSampler`` that pads its shards with repeated points, or
+            if there are no training points at all.
 
         """
-        if not isinstance(train_loader, DataLoader):  # all inputs at once, up front
-            x, _ = collect(train_loader)
-            check_inputs(x, "train_loader", self._dtype, self.locations.shape[1:])
+        check_data(train_loader, "train_loader", self._dtype, self.locations.shape[1:])
         prec = self.prior_precision.detach()
         structure = infer_structure(self._structure_request, prec, self.n_layers)
         groups = PriorGroups.build(structure, prec, self._layer_sizes)
         Z = self.locations.to(self._device)
         J_z = jacobians(self.backend, Z, enable_backprop=False).to(torch.float64)
         acc = Accumulators.empty(J_z.detach(), groups)
-        self._accumulate(acc, groups, train_loader, progress_bar)
+        accumulate(self, acc, groups, train_loader, progress_bar)
+        reduce_accumulators(acc)
+        if acc.n_data == 0:
+            raise InvalidInputError(
+                "train_loader yielded no training points (on any rank); pass the "
+                "training data."
+            )
         self._acc, self._groups, self._W = acc, groups, None
         return self
 
@@ -182,7 +193,9 @@ class ContextPosterior(LaplaceInterface):
         Parameters
         ----------
         x_new : torch.Tensor
-            ``(b, *input_shape)``.
+            ``(b, *input_shape)``; under ``torch.distributed`` this rank's new
+            points (``b = 0`` allowed), reduced over the ranks like ``fit``'s;
+            every rank must call ``update``.
         y_new : torch.Tensor, optional
             ``(b, ...)`` targets; without them the evidence is unavailable.
 
@@ -200,26 +213,15 @@ class ContextPosterior(LaplaceInterface):
 
         """
         acc, groups = self._fitted()
-        check_inputs(x_new, "x_new", self._dtype, self.locations.shape[1:])
+        shape = self.locations.shape[1:]
+        check_inputs(x_new, "x_new", self._dtype, shape, allow_empty=is_distributed())
         data = x_new if y_new is None else (x_new, y_new)
-        self._accumulate(acc, groups, data, progress_bar=False)
+        new = acc.zeros_like()
+        accumulate(self, new, groups, data, progress_bar=False)
+        reduce_accumulators(new)  # only the new sums: the old ones are reduced
+        acc.merge(new)
         self._W = None
         return self
-
-    def _accumulate(
-        self, acc: Accumulators, groups: PriorGroups, data: Data, progress_bar: bool
-    ) -> None:
-        batches = xy_batches(data, self.batch_size)
-        for xb, yb in tqdm(batches, disable=not progress_bar):
-            check_inputs(xb, "train_loader", self._dtype, self.locations.shape[1:])
-            with torch.no_grad():
-                Js, f = self._jacobians(xb.to(self._device), enable_backprop=False)
-            acc.add(Js, f, yb, groups, self.likelihood)
-
-    def _jacobians(self, x: torch.Tensor, enable_backprop: bool) -> tuple:
-        if getattr(self.backend, "last_layer", False):
-            return self.backend.last_layer_jacobians(x, enable_backprop=enable_backprop)
-        return self.backend.jacobians(x, enable_backprop=enable_backprop)
 
     def _factor(self) -> torch.Tensor:
         acc, _ = self._fitted()
@@ -294,7 +296,7 @@ class ContextPosterior(LaplaceInterface):
     def _glm_predictive_distribution(
         self, x: torch.Tensor, joint: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        Js, f = self._jacobians(x, enable_backprop=self.enable_backprop)
+        Js, f = model_jacobians(self.backend, x, self.enable_backprop)
         if joint:
             mean, var = f.flatten(), self.functional_covariance(Js)
         else:

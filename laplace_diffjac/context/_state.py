@@ -81,6 +81,24 @@ class Accumulators:
             loss=zeros(()),
         )
 
+    def zeros_like(self) -> Accumulators:
+        """Zero data sums for the same locations (``J_z``, ``K_zz`` shared)."""
+        return Accumulators(
+            J_z=self.J_z,
+            K_zz=self.K_zz,
+            B=torch.zeros_like(self.B),
+            ggn_diag=torch.zeros_like(self.ggn_diag),
+            loss=torch.zeros_like(self.loss),
+        )
+
+    def merge(self, other: Accumulators) -> None:
+        """Add the data sums of ``other`` (same locations and groups), in place."""
+        self.B = self.B + other.B
+        self.ggn_diag = self.ggn_diag + other.ggn_diag
+        self.loss = self.loss + other.loss.to(self.loss)
+        self.n_data += other.n_data
+        self.has_targets = self.has_targets and other.has_targets
+
     def add(
         self,
         Js: torch.Tensor,

@@ -18,6 +18,9 @@ def xy_batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """Yield ``(x, y)`` batches (``y`` is ``None`` where the data has no targets).
 
+    One batch at a time: a loader (also over an ``IterableDataset``) is never
+    gathered. Batches without rows (an empty shard) are skipped.
+
     Parameters
     ----------
     data : DataLoader, torch.Tensor or tuple
@@ -37,6 +40,14 @@ def xy_batches(
         For anything else.
 
     """
+    for xb, yb in _all_batches(data, batch_size):
+        if len(xb) > 0:
+            yield xb, yb
+
+
+def _all_batches(
+    data: Data, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     if isinstance(data, DataLoader):
         for batch in data:
             yield _inputs_and_targets(batch)
@@ -67,6 +78,7 @@ def check_inputs(
     name: str,
     dtype: torch.dtype,
     feature_shape: torch.Size | tuple[int, ...] | None,
+    allow_empty: bool = False,
 ) -> None:
     """Raise before any work if a batch of inputs cannot be used.
 
@@ -80,6 +92,8 @@ def check_inputs(
         The model's parameter dtype.
     feature_shape : tuple of int, optional
         Required ``input_shape`` (that of the locations), if known.
+    allow_empty : bool, default=False
+        Accept ``b = 0`` (a rank's empty shard under ``torch.distributed``).
 
     Raises
     ------
@@ -88,7 +102,11 @@ def check_inputs(
         required feature shape.
 
     """
-    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == 0:
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.dim() < 2
+        or (x.shape[0] == 0 and not allow_empty)
+    ):
         raise InvalidInputError(
             f"{name} must be a non-empty batched tensor (B, *input_shape); got "
             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}."

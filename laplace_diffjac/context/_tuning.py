@@ -18,6 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from ._reduce import reduce_mean
+
 if TYPE_CHECKING:
     from ._laplace_api import LaplaceInterface as ContextPosterior
 
@@ -135,6 +137,14 @@ def gridsearch(
 ) -> torch.Tensor:
     """The grid value with the smallest validation loss (set on ``la`` too).
 
+    Under ``torch.distributed`` the losses are averaged over the ranks (each
+    rank may validate on its own shard), so every rank picks the same value.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(1,)`` the chosen prior precision.
+
     Raises
     ------
     ValueError
@@ -156,7 +166,8 @@ def gridsearch(
             )
         except torch.linalg.LinAlgError:
             results.append(float("inf"))
-    best = grid[int(torch.tensor(results).argmin())].reshape(1)
+    scores = reduce_mean(torch.tensor(results, dtype=torch.float64))
+    best = grid[int(scores.argmin())].reshape(1)
     la.prior_precision = best
     return best
 
