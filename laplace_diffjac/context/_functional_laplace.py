@@ -168,10 +168,11 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         if self.reweight:
             weight = self.n_data / self.n_subset
             self._prior_factor_sod = 1.0
-            if isinstance(self.L, list):
-                self.L = [lam * weight for lam in self.L]
+            hessians: Any = vars(self)["L"]  # laplace-torch's Λ_MM (list or tensor)
+            if isinstance(hessians, list):
+                self.L = [lam * weight for lam in hessians]
             else:
-                self.L = self.L * weight
+                self.L = hessians * weight
             self._build_Sigma_inv()
             self._recompute_Sigma = False
 
@@ -194,7 +195,9 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         """laplace-torch 0.3's hook in ``la(x)``: rebuild silently when stale."""
         self._ensure_current()
 
-    def __call__(self, x: torch.Tensor, pred_type: str = "gp", *args, **kwargs):
+    def __call__(
+        self, x: torch.Tensor, pred_type: str = "gp", *args: Any, **kwargs: Any
+    ) -> Any:
         """laplace-torch's ``la(x, pred_type='gp', ...)``, never with a stale factor.
 
         Returns
@@ -243,6 +246,11 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             ``(N*, C, C)``, or ``(N*, N*, C, C)`` if ``joint`` (the
             independent-output shapes as laplace-torch).
 
+        Raises
+        ------
+        RuntimeError
+            Before ``fit`` (``output_hessian='full'``).
+
         """
         self._ensure_current()
         if self.independent_outputs:
@@ -253,6 +261,8 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         if self.output_hessian == "diagonal":
             V = torch.linalg.solve_triangular(self.Sigma_inv, K, upper=False)
         else:
+            if self._full_R is None or self._full_chol is None:
+                raise RuntimeError("Call fit before predicting.")
             K = self._full_R @ K.to(torch.float64)
             V = torch.linalg.solve_triangular(self._full_chol, K, upper=False)
         V = V.to(self._dtype).reshape(-1, n_star, C).permute(1, 0, 2)  # [a, me, c]
@@ -294,7 +304,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         """
         state = super().state_dict()
         state["train_loader"] = None
-        state["sod_batch_size"] = int(self.train_loader.batch_size)
+        state["sod_batch_size"] = int(self.train_loader.batch_size or 1)
         state["locations"] = self.locations
         state["reweight"] = bool(self.reweight)
         state["output_hessian"] = self.output_hessian

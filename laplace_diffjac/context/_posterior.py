@@ -7,19 +7,14 @@ test inputs is::
 
     Σ** = K** − K*Z (K_ZZ⁻¹ − (K_ZZ + K_ZX Λ K_XZ)⁻¹) K_Z*
 
-and the mean is the MAP network's output (the linearised predictive). ``fit``
-accumulates ``K_ZX Λ K_XZ`` (per prior group, without ``1 / (σ² T)``;
-:mod:`~laplace_diffjac.context._state`) one batch at a time, all-reduced over the
-ranks of a ``torch.distributed`` group (:mod:`~laplace_diffjac.context._reduce`).
-With ``Z = X`` and an invertible ``K_XX`` this is the full-data GGN Laplace
-predictive and :meth:`ContextPosterior.log_marginal_likelihood` its evidence, else
-a lower bound (derivation in :mod:`~laplace_diffjac.context._evidence`).
-
-The factor is computed in float64 as ``K_ZZ = L Lᵀ``,
-``L⁻¹ (K_ZX Λ K_XZ) L⁻ᵀ = U diag(s) Uᵀ`` and ``W = L⁻ᵀ U diag(√(s / (1 + s)))``, so
-``Σ** = K** − (K*Z W)(K*Z W)ᵀ`` needs no inverse of ``Λ`` (singular for softmax).
-It is rebuilt whenever ``prior_precision``, ``sigma_noise`` or ``temperature``
-changed since it was last built: never a stale answer.
+and the mean is the MAP network's output. ``fit`` accumulates ``K_ZX Λ K_XZ`` (per
+prior group, without ``1 / (σ² T)``; ``_state``) batch by batch, all-reduced over a
+``torch.distributed`` group (``_reduce``). With ``Z = X`` and an invertible ``K_XX``
+this is the full-data GGN Laplace and ``log_marginal_likelihood`` its evidence,
+else a lower bound (derivation in ``_evidence``). In float64, ``K_ZZ = L Lᵀ``,
+``L⁻¹ (K_ZX Λ K_XZ) L⁻ᵀ = U diag(s) Uᵀ``, ``W = L⁻ᵀ U diag(√(s / (1 + s)))`` and
+``Σ** = K** − (K*Z W)(K*Z W)ᵀ``: no inverse of ``Λ`` (singular for softmax). The
+factor is rebuilt whenever a hyperparameter changed: never a stale answer.
 """
 
 from __future__ import annotations
