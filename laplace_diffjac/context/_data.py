@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Union
 
 import torch
@@ -10,7 +9,7 @@ from torch.utils.data import DataLoader
 
 Data = Union[DataLoader, torch.Tensor, tuple, list]
 
-__all__ = ["Data", "collect", "input_batches"]
+__all__ = ["Data", "collect"]
 
 
 def collect(data: Data) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -59,40 +58,3 @@ def _inputs_and_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(batch, (tuple, list)):
         return batch[0], (batch[1] if len(batch) > 1 else None)
     raise TypeError(f"Unsupported batch type {type(batch).__name__}.")
-
-
-def input_batches(data: Data, batch_size: int) -> Iterator[torch.Tensor]:
-    """Yield the inputs of a data set batch by batch, without gathering them.
-
-    Parameters
-    ----------
-    data : DataLoader, torch.Tensor or tuple
-        As for :func:`collect`; a loader is iterated once, in its own batches.
-    batch_size : int
-        Batch size when ``data`` is a tensor or a tuple.
-
-    Yields
-    ------
-    torch.Tensor
-        Input batches ``(b, *input_shape)``.
-
-    Raises
-    ------
-    TypeError
-        For anything else.
-
-    """
-    if isinstance(data, DataLoader):
-        for batch in data:
-            yield _inputs_and_targets(batch)[0]
-        return
-    if isinstance(data, torch.Tensor):
-        yield from torch.split(data, batch_size)
-        return
-    if isinstance(data, (tuple, list)) and len(data) == 2:
-        yield from torch.split(data[0], batch_size)
-        return
-    raise TypeError(
-        "data must be a DataLoader, an input tensor or a tuple (x, y); "
-        f"got {type(data).__name__}."
-    )
