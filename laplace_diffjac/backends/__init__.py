@@ -3,6 +3,7 @@
 from ._backpack import DiffBackPackEF, DiffBackPackGGN
 from ._functorch import DiffFuncGGN
 from ._protocol import BackendSpec, JacobianBackend, as_backend
+from ._stand_in import upstream_stand_in
 
 __all__ = [
     "BackendSpec",
@@ -11,4 +12,5 @@ __all__ = [
     "DiffFuncGGN",
     "JacobianBackend",
     "as_backend",
+    "upstream_stand_in",
 ]

@@ -36,11 +36,10 @@ from typing import Any, cast
 
 import torch
 from laplace import FunctionalLaplace
-from laplace.curvature import BackPackGGN
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..backends import DiffBackPackGGN
+from ..backends import DiffBackPackGGN, upstream_stand_in
 from ..kernels._likelihood_hessians import output_hessians
 from ._data import Data
 from ._loader_size import SizedLoader, as_loader, data_size
@@ -109,7 +108,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             model,
             likelihood,
             n_subset=locations.shape[0],
-            backend=BackPackGGN,
+            backend=upstream_stand_in(backend),
             **kwargs,
         )
         self._backend_cls = backend  # the backend is built lazily, on first use

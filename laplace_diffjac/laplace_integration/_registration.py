@@ -43,9 +43,13 @@ from typing import Any
 
 from laplace import baselaplace
 from laplace.baselaplace import BaseLaplace, FunctionalLaplace
-from laplace.curvature import CurvlinopsGGN
 
-from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
+from ..backends import (
+    DiffBackPackEF,
+    DiffBackPackGGN,
+    DiffFuncGGN,
+    upstream_stand_in,
+)
 from ._backend_args import wrap_init
 from ._factory import factory_patches
 from ._patching import AttributePatch, SharedPatches
@@ -99,7 +103,7 @@ def _functional_policy(backend: object) -> tuple[object, type | None]:
     """
     if not (isinstance(backend, type) and issubclass(backend, FUNCTIONAL_BACKENDS)):
         return backend, None
-    return CurvlinopsGGN, backend
+    return upstream_stand_in(backend), backend
 
 
 def _frozen_parameters_policy(backend: object) -> tuple[object, type | None]:
@@ -121,7 +125,7 @@ def _frozen_parameters_policy(backend: object) -> tuple[object, type | None]:
 
     """
     if isinstance(backend, type) and is_side_effect_free(backend):
-        return CurvlinopsGGN, backend
+        return upstream_stand_in(backend), backend
     return backend, None
 
 
