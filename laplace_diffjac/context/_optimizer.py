@@ -10,9 +10,7 @@ of the minibatch and the parts are all-reduced (:mod:`._sharding`).
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,8 +22,10 @@ from ..kernels import PriorPrecision
 from ._checks import check_finite, check_fits_model, check_like_model, check_likelihood
 from ._data import Data, collect
 from ._distributed import all_reduce_sum, rank, shard_offsets
+from ._evidence_locations import check_objective, optimise_evidence
 from ._init import check_init_size, sharded_initial_locations
 from ._objective import batch_gap
+from ._result import LocationHistory, LocationResult
 from ._routes import Route, make_route
 from ._settings import LocationSettings, resolve_settings
 from ._sharding import check_same_on_ranks, default_lr, sync_gradient
@@ -34,39 +34,6 @@ from ._streaming import StreamSource, feature_shape, scan, streamed_initial_loca
 from ._training_cache import TrainingCache, training_hessians
 
 __all__ = ["LocationHistory", "LocationResult", "optimize_locations", "stream_seed"]
-
-
-@dataclass
-class LocationHistory:
-    """What happened while optimising.
-
-    Attributes
-    ----------
-    objective : list of float
-        Minibatch estimate of the Nyström gap at every step.
-    time : list of float
-        Seconds since the start of the steps at every step.
-    initial_objective, final_objective : float
-        The gap on the whole data set before and after optimising; NaN unless
-        ``evaluate_full=True`` (it costs two passes over all ``N`` inputs).
-    stopped_early : bool
-        Whether early stopping ended the run before ``steps``.
-
-    """
-
-    objective: list[float] = field(default_factory=list)
-    time: list[float] = field(default_factory=list)
-    initial_objective: float = math.nan
-    final_objective: float = math.nan
-    stopped_early: bool = False
-
-
-@dataclass
-class LocationResult:
-    """Optimised locations ``(M, *input_shape)`` and the :class:`LocationHistory`."""
-
-    locations: torch.Tensor
-    history: LocationHistory
 
 
 def optimize_locations(
@@ -92,6 +59,8 @@ def optimize_locations(
     evaluate_full: bool = False,
     structured: bool | None = None,
     settings: LocationSettings | None = None,
+    objective: str = "gap",
+    learn_hyperparameters: bool = False,
 ) -> LocationResult:
     """Choose ``M`` context locations that minimise the likelihood-weighted Nyström gap.
 
@@ -129,6 +98,16 @@ chunk_size, cache_jacobians, evaluate_full, structured
     settings : LocationSettings, optional
         The same options as one object; then leave the keywords above at their
         defaults. ``stream`` and ``max_inputs`` are set only here.
+    objective : {'gap', 'evidence'}, default='gap'
+        ``'gap'``: the Nyström gap, minibatched without bias, no targets needed.
+        ``'evidence'``: minus the context posterior's evidence bound (its trace
+        correction is half the gap), exact on all data every step (two passes;
+        needs targets and a scalar prior precision); see
+        :mod:`laplace_diffjac.context._evidence_locations`.
+    learn_hyperparameters : bool, default=False
+        With ``objective='evidence'``: also learn ``log δ`` and (regression)
+        ``log σ``, starting from ``prior_precision`` and ``sigma_noise``; the
+        result carries them.
 
     Returns
     -------
@@ -194,16 +173,22 @@ chunk_size, cache_jacobians, evaluate_full, structured
     )
     s = resolve_settings(settings, options)
     check_likelihood(likelihood)
+    check_objective(objective, learn_hyperparameters, prior_precision)
     device = next(model.parameters()).device
-    route = make_route(
-        as_backend(model, likelihood, backend), prior_precision, s.structured, device
-    )
+    jacobian_backend = as_backend(model, likelihood, backend)
+    route = make_route(jacobian_backend, prior_precision, s.structured, device)
     hessian_args = (likelihood, sigma_noise, temperature, s.chunk_size)
     loader = _streamed_loader(data, s)
     if loader is not None:
         source, Z0, lr = _streamed(model, loader, m, init, route, hessian_args, s)
     else:
         source, Z0, lr = _in_memory(model, data, m, init, route, hessian_args, s)
+    if objective == "evidence":
+        hyper = (prior_precision, sigma_noise, temperature)
+        return optimise_evidence(
+            jacobian_backend, data, likelihood, Z0.to(device), lr, hyper,
+            learn_hyperparameters, s,
+        )  # fmt: skip
     return _optimise(route, source, Z0.to(device), lr, s)
 
 
