@@ -4,11 +4,12 @@ Every measurement runs in a fresh process (so its max RSS is its own): a
 generated regression problem streamed from an ``IterableDataset`` (inputs drawn
 batch by batch from seeded generators, never materialised), an MLP (10-50-50-1,
 tanh) or a small CNN (1x8x8 input, Conv2d(1, 4, 3), tanh, Flatten, Linear).
-With ``--world K > 1`` the measurement runs on K ``gloo`` processes
+A configuration with ``world`` K > 1 runs on K ``gloo`` processes
 (``torch.multiprocessing.spawn``), each streaming its own shard (every K-th
-batch). Reported per run: seconds per optimiser step, seconds of the
-optimiser's one pass over the data (N, lr, initial locations), seconds of
-``ContextPosterior.fit`` and the largest max RSS over the ranks.
+batch). Each process does one job: the optimiser (seconds per step and of its
+one pass over the data for N, lr and the initial locations) or
+``ContextPosterior.fit`` (seconds); memory is the work's peak RSS above the
+RSS just before it, and the process's max RSS (largest over the ranks).
 
 Usage::
 
@@ -71,8 +72,32 @@ def make_model(kind: str) -> tuple[nn.Module, tuple]:
     return net, (1, 8, 8)
 
 
+def _rss_kib(field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` of this process from ``/proc/self/status``, KiB."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS to its current RSS; return that RSS, KiB.
+
+    Linux resets ``VmHWM`` when ``5`` is written to ``/proc/self/clear_refs``;
+    the peak measured afterwards is then the work's own high-water mark, not
+    that of the imports before it.
+    """
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+    return _rss_kib("VmRSS")
+
+
 def measure(rank: int, world: int, cfg: dict) -> dict:
-    """One measurement on this rank (the optimiser, then optionally fit)."""
+    """One measurement on this rank: the optimiser or ``ContextPosterior.fit``.
+
+    Returns seconds per optimiser step and of its one data pass (optimiser),
+    or of ``fit``; ``rss_mib`` is the process's max RSS, ``peak_inc_mib`` the
+    work's peak RSS above the RSS just before it (imports, model, loader).
+    """
     from laplace_diffjac.context import (
         ContextPosterior,
         LocationSettings,
@@ -81,21 +106,26 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
 
     model, shape = make_model(cfg["model"])
     loader = DataLoader(Generated(cfg["n"], shape, rank, world), batch_size=None)
-    settings = LocationSettings(
-        steps=cfg["steps"], lr=0.01, patience=0, progress_bar=False, max_inputs=1000
-    )
+    out = {"step_s": float("nan"), "pass_s": float("nan"), "fit_s": float("nan")}
+    before = _reset_peak()
     start = time.perf_counter()
-    result = optimize_locations(
-        model, "regression", loader, cfg["m"], init="random", settings=settings
-    )
-    total = time.perf_counter() - start
-    times = result.history.time
-    per_step = (times[-1] - times[0]) / (len(times) - 1)
-    out = {"step_s": per_step, "pass_s": total - times[-1], "fit_s": float("nan")}
-    if cfg["fit"]:
-        start = time.perf_counter()
-        ContextPosterior(model, "regression", result.locations).fit(loader)
+    if cfg["job"] == "optimize":
+        settings = LocationSettings(
+            steps=cfg["steps"], lr=0.01, patience=0, progress_bar=False, max_inputs=1000
+        )
+        result = optimize_locations(
+            model, "regression", loader, cfg["m"], init="random", settings=settings
+        )
+        total = time.perf_counter() - start
+        times = result.history.time
+        out["step_s"] = (times[-1] - times[0]) / (len(times) - 1)
+        out["pass_s"] = total - times[-1]
+    else:
+        gen = torch.Generator().manual_seed(0)
+        locations = torch.randn((cfg["m"], *shape), generator=gen)
+        ContextPosterior(model, "regression", locations).fit(loader)
         out["fit_s"] = time.perf_counter() - start
+    out["peak_inc_mib"] = (_rss_kib("VmHWM") - before) / 1024
     out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
@@ -123,9 +153,8 @@ def worker(cfg: dict) -> dict:
             json.loads((pathlib.Path(folder) / f"{r}.json").read_text())
             for r in range(cfg["world"])
         ]
-    merged = {k: max(o[k] for o in outs) for k in ("step_s", "pass_s", "fit_s")}
-    merged["rss_mib"] = max(o["rss_mib"] for o in outs)
-    return merged
+    keys = ("step_s", "pass_s", "fit_s", "rss_mib", "peak_inc_mib")
+    return {k: max(o[k] for o in outs) for k in keys}
 
 
 def run_fresh(cfg: dict) -> dict:
@@ -142,36 +171,34 @@ def run_fresh(cfg: dict) -> dict:
 
 
 def grid(name: str) -> list[dict]:
-    """The configurations measured (see SCALING.md for what was run)."""
-    if name == "small":  # what fits a loaded 2-core machine in ~10 minutes
-        mlp = dict(model="mlp", m=64, steps=10)
-        return [
-            dict(mlp, n=10_000, world=1, fit=True),
-            dict(mlp, n=100_000, world=1, fit=False),
-            dict(mlp, n=1_000_000, world=1, fit=False),
-            dict(mlp, n=10_000, world=1, fit=False, m=256),
-            dict(mlp, n=10_000, world=1, fit=False, model="cnn"),
-            dict(mlp, n=10_000, world=2, fit=True),
-        ]
-    if name == "more":  # the distributed rows added after "small"
-        mlp = dict(model="mlp", m=64, steps=10, fit=False)
-        return [dict(mlp, n=100_000, world=2), dict(mlp, n=10_000, world=4)]
+    """The configurations measured (see SCALING.md for what was run).
+
+    ``job`` is ``"optimize"`` (10 optimiser steps after its one data pass) or
+    ``"fit"`` (``ContextPosterior.fit`` on random locations); each runs in its
+    own process so that each has its own peak memory.
+    """
     if name == "quick":
-        base = dict(steps=3, fit=True)
         return [
-            dict(base, model="mlp", n=600, m=8, world=1),
-            dict(base, model="cnn", n=600, m=8, world=2),
+            dict(model="mlp", n=600, m=8, world=1, steps=3, job="optimize"),
+            dict(model="cnn", n=600, m=8, world=2, steps=3, job="fit"),
         ]
+    sizes = (10_000, 100_000, 1_000_000)
     cfgs = []
-    for model in ("mlp", "cnn"):
-        for m in (64, 256):
-            for n in (10_000, 100_000, 1_000_000):
-                fit = n <= 100_000 and m == 64
-                cfgs.append(dict(model=model, n=n, m=m, world=1, steps=10, fit=fit))
+    for job in ("optimize", "fit"):
+        for model in ("mlp", "cnn"):
+            for m in (64, 256):
+                for n in sizes:
+                    cfgs.append(dict(model=model, n=n, m=m, world=1, steps=10, job=job))
     for world in (2, 4):
-        for n in (10_000, 100_000):
-            cfgs.append(dict(model="mlp", n=n, m=64, world=world, steps=10, fit=True))
+        for job in ("optimize", "fit"):
+            for n in sizes:
+                mlp = dict(model="mlp", m=64, steps=10, job=job)
+                cfgs.append(dict(mlp, n=n, world=world))
     return cfgs
+
+
+def _cell(value: float, digits: int) -> str:
+    return "–" if value != value else f"{value:.{digits}f}"
 
 
 def report(rows: list[dict], folder: pathlib.Path) -> None:
@@ -179,18 +206,21 @@ def report(rows: list[dict], folder: pathlib.Path) -> None:
     lines = [
         "# Scaling with N (streamed IterableDataset, batch 256)",
         "",
-        "2-core CPU shared with other jobs, no GPU was available; each row is a",
-        "fresh process (K gloo ranks for world K, 1 thread each). Written by",
-        "`python benchmarks/scaling.py`.",
+        "Written by `python benchmarks/scaling.py`. Each row is a fresh process",
+        "(K gloo ranks for K ranks, one thread each). `peak over base`: the",
+        "work's peak RSS above the RSS just before it (after imports, model and",
+        "loader; the largest over the ranks); `max RSS`: the process's whole peak,",
+        "imports included.",
         "",
-        "| model | M | N | world | s/step | pass s | fit s | max RSS MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| job | model | M | N | ranks | s / step | data pass s | fit s "
+        "| peak over base MiB | max RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['m']} | {r['n']:,} | {r['world']} | "
-            f"{r['step_s']:.4f} | {r['pass_s']:.2f} | {r['fit_s']:.2f} | "
-            f"{r['rss_mib']:.0f} |"
+            f"| {r['job']} | {r['model']} | {r['m']} | {r['n']:,} | {r['world']} | "
+            f"{_cell(r['step_s'], 4)} | {_cell(r['pass_s'], 2)} | "
+            f"{_cell(r['fit_s'], 2)} | {r['peak_inc_mib']:.1f} | {r['rss_mib']:.0f} |"
         )
     (folder / "SCALING.md").write_text("\n".join(lines) + "\n")
     _plot(rows, folder / "scaling.png")
@@ -202,34 +232,42 @@ def _plot(rows: list[dict], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    keys = sorted({(r["model"], r["m"], r["world"]) for r in rows})
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (("optimize", "step_s"), ("fit", "fit_s"))
+    keys = sorted({(r["job"], r["model"], r["m"], r["world"]) for r in rows})
     for key in keys:
-        sel = sorted(
-            (r for r in rows if (r["model"], r["m"], r["world"]) == key),
-            key=lambda r: r["n"],
-        )
+        sel = sorted((r for r in rows if (r["job"], *_key(r)) == key), key=_n)
         n = [r["n"] for r in sel]
-        label = f"{key[0]} M={key[1]} K={key[2]}"
-        for ax, field in zip(axes, ("step_s", "fit_s", "rss_mib")):
-            ys = [r[field] for r in sel]
-            if any(y == y for y in ys):
-                ax.loglog(n, ys, "o-", label=label)
-    for ax, title in zip(axes, ("s per optimiser step", "fit s", "max RSS MiB")):
+        label = f"{key[1]} M={key[2]} K={key[3]}"
+        for ax, (job, field) in zip(axes, panels):
+            if key[0] == job:
+                ax.loglog(n, [r[field] for r in sel], "o-", label=label)
+        style = "o-" if key[0] == "optimize" else "s--"
+        inc = [max(r["peak_inc_mib"], 0.1) for r in sel]
+        axes[2].loglog(n, inc, style, label=f"{key[0]} {label}")
+    titles = ("s per optimiser step", "ContextPosterior.fit s", "peak over base MiB")
+    for ax, title in zip(axes, titles):
         ax.set_xlabel("N")
         ax.set_title(title)
-    axes[0].legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row["m"], row["world"]
+
+
+def _n(row: dict) -> int:
+    return row["n"]
 
 
 def main() -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument(
-        "--grid", choices=("quick", "small", "more", "full"), default="full"
-    )
+    parser.add_argument("--grid", choices=("quick", "full"), default="full")
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
     parser.add_argument("--worker", type=str, default=None)
     parser.add_argument("--append", action="store_true", help="keep scaling.json rows")

@@ -29,10 +29,17 @@ def test_quick_scaling_benchmark_writes_table_and_plot(tmp_path: Path) -> None:
     rows = [
         line.split("|")[1:-1]
         for line in (tmp_path / "SCALING.md").read_text().splitlines()
-        if line.startswith("| mlp") or line.startswith("| cnn")
+        if line.startswith("| optimize") or line.startswith("| fit")
     ]
-    assert [(r[0].strip(), r[3].strip()) for r in rows] == [("mlp", "1"), ("cnn", "2")]
-    for r in rows:
-        step, fit, rss = float(r[4]), float(r[6]), float(r[7])
-        assert step > 0 and math.isfinite(fit) and fit > 0 and rss > 0
+    cells = [[c.strip() for c in r] for r in rows]
+    assert [(r[0], r[1], r[4]) for r in cells] == [
+        ("optimize", "mlp", "1"),
+        ("fit", "cnn", "2"),
+    ]
+    optimize, fit = cells
+    assert float(optimize[5]) > 0 and float(optimize[6]) > 0 and optimize[7] == "–"
+    assert fit[5] == "–" and float(fit[7]) > 0
+    for r in cells:
+        peak, rss = float(r[8]), float(r[9])
+        assert math.isfinite(peak) and 0 < peak < rss
     assert (tmp_path / "scaling.png").stat().st_size > 1000
