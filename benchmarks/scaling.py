@@ -94,9 +94,10 @@ def _reset_peak() -> int:
 def measure(rank: int, world: int, cfg: dict) -> dict:
     """One measurement on this rank: the optimiser or ``ContextPosterior.fit``.
 
-    Returns seconds per optimiser step and of its one data pass (optimiser),
-    or of ``fit``; ``rss_mib`` is the process's max RSS, ``peak_inc_mib`` the
-    work's peak RSS above the RSS just before it (imports, model, loader).
+    Returns seconds per optimiser step (the median over the steps) and of its
+    one data pass (optimiser), or of ``fit``; ``rss_mib`` is the process's max
+    RSS, ``peak_inc_mib`` the work's peak RSS above the RSS just before it
+    (imports, model, loader).
     """
     from laplace_diffjac.context import (
         ContextPosterior,
@@ -118,7 +119,8 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
         )
         total = time.perf_counter() - start
         times = result.history.time
-        out["step_s"] = (times[-1] - times[0]) / (len(times) - 1)
+        steps = torch.tensor(times).diff()  # a loaded machine: the median step
+        out["step_s"] = float(steps.median())
         out["pass_s"] = total - times[-1]
     else:
         gen = torch.Generator().manual_seed(0)
@@ -160,6 +162,8 @@ def worker(cfg: dict) -> dict:
 def run_fresh(cfg: dict) -> dict:
     """Measure ``cfg`` in a fresh Python process."""
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    if cfg.get("mmap_threshold"):  # glibc: fixed instead of adaptive threshold
+        env["MALLOC_MMAP_THRESHOLD_"] = str(cfg["mmap_threshold"])
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(cfg)],
         capture_output=True,
@@ -183,6 +187,11 @@ def grid(name: str) -> list[dict]:
             dict(model="cnn", n=600, m=8, world=2, steps=3, job="fit"),
         ]
     sizes = (10_000, 100_000, 1_000_000)
+    if name == "steps":  # the one-process optimiser rows again (median step)
+        return [c for c in grid("full") if c["job"] == "optimize" and c["world"] == 1]
+    if name == "allocator":  # fit again with glibc's mmap threshold fixed
+        fit = dict(model="mlp", m=64, world=1, steps=10, job="fit")
+        return [dict(fit, n=n, mmap_threshold=65536) for n in sizes]
     cfgs = []
     for job in ("optimize", "fit"):
         for model in ("mlp", "cnn"):
@@ -210,17 +219,20 @@ def report(rows: list[dict], folder: pathlib.Path) -> None:
         "(K gloo ranks for K ranks, one thread each). `peak over base`: the",
         "work's peak RSS above the RSS just before it (after imports, model and",
         "loader; the largest over the ranks); `max RSS`: the process's whole peak,",
-        "imports included.",
+        "imports included. `malloc`: glibc's default (adaptive mmap threshold) or",
+        "`MALLOC_MMAP_THRESHOLD_` fixed, which keeps freed large blocks from",
+        "fragmenting the heap.",
         "",
         "| job | model | M | N | ranks | s / step | data pass s | fit s "
-        "| peak over base MiB | max RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| peak over base MiB | max RSS MiB | malloc |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['job']} | {r['model']} | {r['m']} | {r['n']:,} | {r['world']} | "
             f"{_cell(r['step_s'], 4)} | {_cell(r['pass_s'], 2)} | "
-            f"{_cell(r['fit_s'], 2)} | {r['peak_inc_mib']:.1f} | {r['rss_mib']:.0f} |"
+            f"{_cell(r['fit_s'], 2)} | {r['peak_inc_mib']:.1f} | {r['rss_mib']:.0f} | "
+            f"{_malloc(r)} |"
         )
     (folder / "SCALING.md").write_text("\n".join(lines) + "\n")
     _plot(rows, folder / "scaling.png")
@@ -234,11 +246,11 @@ def _plot(rows: list[dict], path: pathlib.Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     panels = (("optimize", "step_s"), ("fit", "fit_s"))
-    keys = sorted({(r["job"], r["model"], r["m"], r["world"]) for r in rows})
+    keys = sorted({(r["job"], *_key(r)) for r in rows})
     for key in keys:
         sel = sorted((r for r in rows if (r["job"], *_key(r)) == key), key=_n)
         n = [r["n"] for r in sel]
-        label = f"{key[1]} M={key[2]} K={key[3]}"
+        label = f"{key[1]} M={key[2]} K={key[3]}" + (" fixed mmap" if key[4] else "")
         for ax, (job, field) in zip(axes, panels):
             if key[0] == job:
                 ax.loglog(n, [r[field] for r in sel], "o-", label=label)
@@ -255,8 +267,13 @@ def _plot(rows: list[dict], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _malloc(row: dict) -> str:
+    threshold = row.get("mmap_threshold")
+    return f"mmap ≥ {threshold // 1024} KiB" if threshold else "default"
+
+
 def _key(row: dict) -> tuple:
-    return row["model"], row["m"], row["world"]
+    return row["model"], row["m"], row["world"], row.get("mmap_threshold", 0)
 
 
 def _n(row: dict) -> int:
