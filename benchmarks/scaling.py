@@ -174,33 +174,41 @@ def run_fresh(cfg: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+SIZES = (10_000, 100_000, 1_000_000)
+
+
 def grid(name: str) -> list[dict]:
     """The configurations measured (see SCALING.md for what was run).
 
     ``job`` is ``"optimize"`` (10 optimiser steps after its one data pass) or
     ``"fit"`` (``ContextPosterior.fit`` on random locations); each runs in its
-    own process so that each has its own peak memory.
+    own process so that each has its own peak memory. ``"steps"`` re-times the
+    one-process optimiser rows; ``"allocator"`` repeats the MLP's ``fit`` with
+    glibc's mmap threshold fixed.
     """
     if name == "quick":
         return [
             dict(model="mlp", n=600, m=8, world=1, steps=3, job="optimize"),
             dict(model="cnn", n=600, m=8, world=2, steps=3, job="fit"),
         ]
-    sizes = (10_000, 100_000, 1_000_000)
-    if name == "steps":  # the one-process optimiser rows again (median step)
-        return [c for c in grid("full") if c["job"] == "optimize" and c["world"] == 1]
-    if name == "allocator":  # fit again with glibc's mmap threshold fixed
+    if name == "steps":
+        return [c for c in _full_grid() if c["job"] == "optimize" and c["world"] == 1]
+    if name == "allocator":
         fit = dict(model="mlp", m=64, world=1, steps=10, job="fit")
-        return [dict(fit, n=n, mmap_threshold=65536) for n in sizes]
+        return [dict(fit, n=n, mmap_threshold=65536) for n in SIZES]
+    return _full_grid()
+
+
+def _full_grid() -> list[dict]:
     cfgs = []
     for job in ("optimize", "fit"):
         for model in ("mlp", "cnn"):
             for m in (64, 256):
-                for n in sizes:
+                for n in SIZES:
                     cfgs.append(dict(model=model, n=n, m=m, world=1, steps=10, job=job))
     for world in (2, 4):
         for job in ("optimize", "fit"):
-            for n in sizes:
+            for n in SIZES:
                 mlp = dict(model="mlp", m=64, steps=10, job=job)
                 cfgs.append(dict(mlp, n=n, world=world))
     return cfgs
