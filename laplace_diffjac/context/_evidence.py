@@ -43,7 +43,47 @@ import torch
 from ..kernels import jittered_cholesky
 from ._state import Accumulators
 
-__all__ = ["dtc_factor", "evidence_terms", "log_likelihood"]
+__all__ = ["dtc_factor", "evidence_terms", "log_det_eye_plus", "log_likelihood"]
+
+
+def log_det_eye_plus(A: torch.Tensor, jitter: float) -> torch.Tensor:
+    """``log det(I + A)`` for the whitened ``A`` (PSD in exact arithmetic).
+
+    ``A = L⁻¹ B L⁻ᵀ`` is formed from ``B = K_ZX Λ K_XZ``, so rounding in ``B``
+    (relative to its largest entry) is amplified by ``1 / (jitter · mean diag
+    K_ZZ)`` in the directions where ``K_ZZ`` is nearly singular: once the ``MC``
+    locations exceed the kernel's numerical rank, ``A`` can lose definiteness.
+    Then the bound is dominated by rounding; say so instead of a bare failure.
+
+    Parameters
+    ----------
+    A : torch.Tensor
+        ``(MC, MC)`` float64, symmetric.
+    jitter : float
+        The relative jitter used for ``K_ZZ`` (for the message).
+
+    Returns
+    -------
+    torch.Tensor
+        ``()``.
+
+    Raises
+    ------
+    torch.linalg.LinAlgError
+        If ``I + A`` is not positive definite (a ``RuntimeError``; the message
+        names the fix: a larger ``jitter`` or fewer locations).
+
+    """
+    eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
+    chol, info = torch.linalg.cholesky_ex(eye + A)
+    if bool(info.detach().ne(0).any()):
+        raise torch.linalg.LinAlgError(
+            f"The evidence bound lost positive definiteness to rounding (jitter="
+            f"{jitter:g}): its M·C = {A.shape[0]} location outputs exceed the "
+            "numerical rank of the kernel at this prior precision and noise. Pass "
+            "a larger jitter (e.g. jitter=1e-6) or use fewer locations."
+        )
+    return 2 * chol.diagonal().log().sum()
 
 
 def dtc_factor(
@@ -104,10 +144,14 @@ def evidence_terms(
     log_det, trace : torch.Tensor
         ``()`` each; their sum bounds ``log det(I + Σ₀^{½} G Σ₀^{½})`` from above.
 
+    Raises
+    ------
+    torch.linalg.LinAlgError
+        If rounding made ``I + A`` indefinite (see :func:`log_det_eye_plus`).
+
     """
     _, A = dtc_factor(acc, s, h, jitter)
-    eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
-    log_det = 2 * torch.linalg.cholesky(eye + A).diagonal().log().sum()
+    log_det = log_det_eye_plus(A, jitter)
     trace = h * (prior_var.to(torch.float64) * acc.ggn_diag).sum() - A.diagonal().sum()
     return log_det, trace
 

@@ -32,7 +32,7 @@ from ..backends import JacobianBackend
 from ..kernels import flat_gram, jacobians, jittered_cholesky, output_hessians
 from ._data import Data
 from ._distributed import is_distributed
-from ._evidence import log_likelihood
+from ._evidence import log_det_eye_plus, log_likelihood
 from ._hyperparameters import PriorGroups
 from ._reduce import check_shard, reduce_accumulators, reduce_sum
 from ._state import Accumulators
@@ -59,8 +59,7 @@ def _bound(
     A = torch.linalg.solve_triangular(L, (s * s * h) * B, upper=False)
     A = torch.linalg.solve_triangular(L, A.mT, upper=False)
     A = 0.5 * (A + A.mT)
-    eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
-    log_det = 2 * torch.linalg.cholesky(eye + A).diagonal().log().sum()
+    log_det = log_det_eye_plus(A, jitter)
     trace = h * s * acc.ggn_diag.sum() - A.diagonal().sum()
     scatter = theta.square().sum() / s
     n_out = int(acc.J_z.shape[1])

@@ -48,6 +48,7 @@ from ..context import (
     optimize_locations,
     random_subset,
 )
+from ._hyperparameters import choose_prior_precision
 from ._problem import Problem, latent_variance, make_problem
 from .settings import DemoSettings
 
@@ -82,9 +83,10 @@ class DemoResult:
     history : LocationHistory or None
         The optimiser's history.
     hyperparameters : dict of str to float
-        The prior precision every method uses (``'prior_precision'``, chosen by
-        the evidence of the context posterior on the optimised locations) and
-        ``'sigma_noise'``.
+        The prior precision every method uses (``'prior_precision'``) and
+        ``'sigma_noise'``; chosen by evidence, also ``'evidence_locations'``,
+        ``'evidence'`` and ``'evidence_nll'`` (see
+        :func:`~laplace_diffjac.examples._hyperparameters.choose_prior_precision`).
     prior_by_evidence : bool
         Whether the prior precision was chosen by the evidence.
 
@@ -127,28 +129,6 @@ class DemoResult:
             if r["method"] == method and r["locations"] == locations:
                 return r
         raise KeyError((method, locations))
-
-
-def _choose_prior_precision(problem: Problem, result: DemoResult) -> None:
-    """The prior precision by evidence, as a laplace-torch user would choose it.
-
-    The context posterior on the optimised locations maximises its evidence
-    bound (``optimize_prior_precision(method="marglik")``, cheap at any ``N``);
-    every method then uses that value, so their errors against the full-data
-    Laplace compare like with like. With a scalar prior the locations do not
-    depend on it (the kernel only scales), so they are optimised first.
-    """
-    s = problem.settings
-    Z = result.locations["optimised"]
-    cp = ContextPosterior(problem.model, s.task, Z, sigma_noise=s.sigma_noise)
-    cp.fit(problem.loader)
-    cp.optimize_prior_precision(method="marglik")
-    problem.prior_precision = float(cp.prior_precision)
-    result.hyperparameters = {
-        "prior_precision": problem.prior_precision,
-        "sigma_noise": s.sigma_noise,
-    }
-    result.prior_by_evidence = True
 
 
 def _full_laplace(problem: Problem) -> Any:
@@ -301,8 +281,9 @@ def run_demo(
         loaded 2-core machine two threads contend (measured 5 s versus 110 s for
         the classification run).
     prior_precision : 'evidence' or float, default='evidence'
-        ``'evidence'``: chosen by the context posterior's evidence on the
-        optimised locations (``optimize_prior_precision(method="marglik")``);
+        ``'evidence'``: chosen by the evidence of a context posterior on
+        ``settings.evidence_m`` optimised locations
+        (``optimize_prior_precision(method="marglik")``);
         a number: that value (the MAP's weight decay is ``settings.prior_precision``).
 
     Returns
@@ -324,7 +305,9 @@ def run_demo(
         )
         _choose_locations(problem, result, seed, progress_bar)
         if prior_precision == "evidence":
-            _choose_prior_precision(problem, result)
+            result.hyperparameters = choose_prior_precision(problem, seed)
+            problem.prior_precision = result.hyperparameters["prior_precision"]
+            result.prior_by_evidence = True
         else:
             problem.prior_precision = float(prior_precision)
             result.hyperparameters = {
@@ -366,15 +349,16 @@ def format_table(result: DemoResult) -> str:
     hp = result.hyperparameters
     lines.append("")
     if hp:
-        lines.append(
-            f"prior precision {hp['prior_precision']:.4g} "
-            + (
-                "(by the evidence of ContextPosterior on the optimised locations)"
-                if result.prior_by_evidence
-                else "(fixed)"
+        how = "(fixed)"
+        if result.prior_by_evidence:
+            how = (
+                f"(by the evidence of ContextPosterior on "
+                f"{int(hp['evidence_locations'])} optimised locations: "
+                f"{hp['evidence']:.2f}; its test NLL {hp['evidence_nll']:.3f})"
             )
-            + ", used by every row; "
-            f"sigma_noise {hp['sigma_noise']:.4g}"
+        lines.append(
+            f"prior precision {hp['prior_precision']:.4g} {how}, used by every "
+            f"row; sigma_noise {hp['sigma_noise']:.4g}"
         )
     lines.append(
         f"Nyström gap objective: random {result.objective['random']:.4g} -> "

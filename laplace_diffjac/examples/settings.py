@@ -13,7 +13,10 @@ class DemoSettings:
 
     ``data_noise`` is the target noise of the regression data and the input noise
     of two moons; ``label_noise`` the fraction of flipped two-moons labels;
-    ``patience`` the early-stopping patience of the location optimiser.
+    ``patience`` the early-stopping patience of the location optimiser;
+    ``evidence_m`` the number of optimised locations of the context posterior whose
+    evidence chooses the prior precision (default ``2 m``; see
+    :mod:`laplace_diffjac.examples._hyperparameters`).
     """
 
     task: str
@@ -28,6 +31,7 @@ class DemoSettings:
     data_noise: float = 0.1
     label_noise: float = 0.0
     patience: int = 100
+    evidence_m: int = 0
 
     @classmethod
     def for_task(
@@ -61,10 +65,11 @@ class DemoSettings:
             raise ValueError(f"Unknown task {task!r}.")
         n = 200 if quick else 400
         regression = task == "regression"
+        m = m if m is not None else max(2, (4 * n) // 100)
         return cls(
             task=task,
             n=n,
-            m=m if m is not None else max(2, (4 * n) // 100),
+            m=m,
             steps=steps if steps is not None else (30 if quick else 200),
             train_steps=300 if quick else 1000,
             hidden=50,
@@ -74,4 +79,5 @@ class DemoSettings:
             data_noise=0.1 if regression else 0.15,
             label_noise=0.0 if regression else 0.1,
             patience=30,
+            evidence_m=min(2 * m, n),
         )
