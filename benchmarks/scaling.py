@@ -235,7 +235,8 @@ def report(rows: list[dict], folder: pathlib.Path) -> None:
         "| peak over base MiB | max RSS MiB | malloc |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    order = ("optimize", "fit")
+    for r in sorted(rows, key=lambda r: (order.index(r["job"]), *_key(r), r["n"])):
         lines.append(
             f"| {r['job']} | {r['model']} | {r['m']} | {r['n']:,} | {r['world']} | "
             f"{_cell(r['step_s'], 4)} | {_cell(r['pass_s'], 2)} | "
