@@ -170,13 +170,15 @@ class _Fake:
 
 
 class _FakeEvidence(_Fake):
-    def optimize_prior_precision(self, method: str) -> None:
-        assert method == "marglik"
-        self.prior_precision = 42.0
+    """Evidence ``−(log10 δ − log10 42)²``: its maximiser is ``δ = 42``."""
+
+    def log_marginal_likelihood(self, prior_precision: torch.Tensor) -> torch.Tensor:
+        self.prior_precision = float(prior_precision)
+        return -((prior_precision.log10() - math.log10(42.0)) ** 2).sum()
 
 
 class _FakeRefuses(_Fake):
-    def optimize_prior_precision(self, method: str) -> None:
+    def log_marginal_likelihood(self, prior_precision: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -215,11 +217,32 @@ def test_selection_by_validation_grid_picks_the_lowest_nlpd() -> None:
 
 def test_selection_prefers_evidence_and_falls_back() -> None:
     ctx = _ctx()
-    sel = select_prior_precision(_FakeEvidence, ctx, [1.0, 2.0])
-    assert (sel.how, sel.delta) == ("marglik", 42.0)
+    grid = [10.0**k for k in range(-2, 7)]
+    sel = select_prior_precision(_FakeEvidence, ctx, grid)
+    assert sel.how == "evidence"
+    assert sel.delta == pytest.approx(42.0, rel=0.07)  # the search resolution
+    assert float(sel.posterior.prior_precision) == pytest.approx(sel.delta)
+    edge = select_prior_precision(_FakeEvidence, ctx, [1.0, 2.0])
+    assert edge.delta == pytest.approx(2.0, rel=0.07)  # maximiser at the range's end
     assert select_prior_precision(_FakeRefuses, ctx, [1.0, 2.0]).how == "val-grid"
     off = select_prior_precision(_FakeEvidence, ctx, [1.0, 2.0], use_evidence=False)
     assert off.how == "val-grid"
+
+
+def test_selection_rebuilds_at_the_chosen_delta_when_shared() -> None:
+    # laplace-torch 0.3's FunctionalLaplace goes stale when δ changes after fit:
+    # with shared=True the evidence's choice is fitted afresh
+    ctx, built = _ctx(), []
+
+    def build(delta: float) -> _FakeEvidence:
+        built.append(delta)
+        return _FakeEvidence(delta)
+
+    sel = select_prior_precision(
+        build, ctx, [10.0**k for k in range(-2, 7)], shared=True
+    )
+    assert len(built) == 2 and built[-1] == sel.delta
+    assert sel.posterior.prior_precision == sel.delta  # the fresh object
 
 
 def test_aggregate_mean_and_sample_std() -> None:
