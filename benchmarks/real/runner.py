@@ -24,7 +24,7 @@ from .data import load_split
 from .evaluate import StudyConfig, evaluate_seed
 from .training import TrainConfig
 
-__all__ = ["load_records", "run_study", "run_task"]
+__all__ = ["load_records", "run_study", "run_task", "task_order"]
 
 
 def _log_line(name: str, seed: int, start: float) -> Callable[[str], None]:
@@ -133,6 +133,31 @@ def load_records(raw: Path, tasks: list[tuple[str, int]]) -> list[dict[str, Any]
     return records
 
 
+def task_order(datasets: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """The order tasks are started in: useful results early in a run cut short.
+
+    The first seed of every data set, then the remaining seeds of all data sets but
+    the first (the small ones), then the first data set's (the largest's) remaining
+    seeds. On 2 workers one works through the large data set while the other does
+    the small ones, so a run cut short has every data set, most with all seeds.
+
+    Parameters
+    ----------
+    datasets : list of str
+        Largest first.
+    seeds : list of int
+        Seeds.
+
+    Returns
+    -------
+    list of (str, int)
+
+    """
+    first = [(d, seeds[0]) for d in datasets]
+    small = [(d, s) for s in seeds[1:] for d in datasets[1:]]
+    return first + small + [(datasets[0], s) for s in seeds[1:]]
+
+
 def run_study(
     datasets: list[str],
     seeds: list[int],
@@ -147,8 +172,7 @@ def run_study(
     Parameters
     ----------
     datasets, seeds : list
-        What to run: seed by seed, the data sets in this order within each seed
-        (put the largest first).
+        What to run (largest data set first; order: :func:`task_order`).
     config : StudyConfig
         Study sizes.
     train : TrainConfig
@@ -172,9 +196,7 @@ def run_study(
     (out / "config.json").write_text(
         json.dumps({"study": asdict(config), "train": asdict(train)}, indent=1)
     )
-    # seed-major (every data set's first seed, then the second, ...), so that a run
-    # cut short has as many seeds for every data set; data sets in the order given
-    tasks = [(d, s) for s in seeds for d in datasets]
+    tasks = task_order(datasets, seeds)
     todo = [t for t in tasks if not (resume and (raw / f"{t[0]}_{t[1]}.json").exists())]
     bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc="study")
     args = [(d, s, config, train, str(raw)) for d, s in todo]
