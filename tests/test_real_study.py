@@ -272,6 +272,56 @@ def test_aggregate_mean_and_sample_std() -> None:
     assert agg["n_seeds"] == 3 and agg["errors"] == ["E: e"]
 
 
+def _agg(ds: str, method: str, frac: float, nlpd: float, lv: float) -> dict:
+    return {
+        "dataset": ds,
+        "method": method,
+        "fraction": frac,
+        "nlpd": [nlpd, 0.0],
+        "log_var_error": [lv, 0.0],
+    }
+
+
+def test_criteria_by_hand() -> None:
+    from benchmarks.real.criteria import check_criteria, criteria_markdown
+
+    aggs = [
+        # digits 1 %: CP optimised better in both; LFL optimised worse NLPD
+        _agg("digits", "SFR-like CP (random)", 0.01, 0.50, 0.30),
+        _agg("digits", "CP (optimised)", 0.01, 0.40, 0.20),
+        _agg("digits", "LFL full-Λ (random)", 0.01, 0.20, 1.00),
+        _agg("digits", "LFL full-Λ (optimised)", 0.01, 0.21, 0.90),
+        # digits 20 %: log-var worse but M > 10 %, so not required
+        _agg("digits", "SFR-like CP (random)", 0.20, 0.12, 0.10),
+        _agg("digits", "CP (optimised)", 0.20, 0.12, 0.15),
+        _agg("digits", "GP-subset", 0.20, 0.01, 0.0),  # not ours: not the best row
+    ]
+    out = check_criteria(aggs)
+    assert out["nlpd_never_worse"] is False
+    assert out["nlpd_failures"] == ["digits M=1% LocationFunctionalLaplace"]
+    assert out["log_var_better_m_le_10"] is True
+    by = {(p["fraction"], p["posterior"]): p for p in out["pairs"]}
+    assert by[(0.20, "ContextPosterior")]["log_var_better"] is None
+    assert by[(0.01, "ContextPosterior")]["nlpd"]["diff"] == pytest.approx(-0.10)
+    sfr = {s["fraction"]: s for s in out["sfr"]}
+    assert sfr[0.01]["best_ours"] == "LFL full-Λ (random)" and sfr[0.01]["beats_sfr"]
+    assert sfr[0.20]["best_ours_nlpd"] == 0.12 and not sfr[0.20]["beats_sfr"]
+    assert out["sfr_behind"] == ["M=20%"]
+    assert "**FAILED**" in "\n".join(criteria_markdown(out))
+
+
+def test_load_records_prefers_finished_then_partial(tmp_path: Path) -> None:
+    from benchmarks.real.runner import load_records
+
+    (tmp_path / "a_1.json").write_text(json.dumps({"meta": {"k": "done"}, "rows": []}))
+    (tmp_path / "a_1.partial.json").write_text(json.dumps({"meta": {"k": "p"}}))
+    (tmp_path / "b_1.partial.json").write_text(
+        json.dumps({"meta": {"k": "partial"}, "rows": []})
+    )
+    got = load_records(tmp_path, [("a", 1), ("b", 1), ("c", 1)])
+    assert [r["meta"]["k"] for r in got] == ["done", "partial"]
+
+
 # ---------------------------------------------------------- end to end
 
 
@@ -294,7 +344,8 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("RESULTS.md", "results.json", "nlpd_wine.png", "nlpd_diabetes.png"):
+    names = ("RESULTS.md", "results.json", "run.json", "nlpd_vs_m.png", "nlpd_wine.png")
+    for name in (*names, "nlpd_diabetes.png"):
         assert (tmp_path / name).stat().st_size > 0
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["rows"]
@@ -314,6 +365,12 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
             assert 0 <= r["ece"] <= 1 and 0 <= r["accuracy"] <= 1
     md = (tmp_path / "RESULTS.md").read_text()
     assert "## wine" in md and "## diabetes" in md and "val-grid" in md
+    assert "## Criteria" in md and "Wall time of the whole run" in md
+    pairs = result["criteria"]["pairs"]
+    assert len(pairs) == 2 * 2 * 2  # data sets × M × posteriors
+    assert {r["selection"] for r in rows if r["method"] == "SFR-like CP (random)"} == {
+        "evidence"
+    }
 
 
 def test_ella_and_valla_rows_exactly_when_laplace_torch_has_them() -> None:
