@@ -365,7 +365,7 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
             assert 0 <= r["ece"] <= 1 and 0 <= r["accuracy"] <= 1
     md = (tmp_path / "RESULTS.md").read_text()
     assert "## wine" in md and "## diabetes" in md and "val-grid" in md
-    assert "## Criteria" in md and "Wall time of the whole run" in md
+    assert "## Criteria" in md and "Wall time (the whole run)" in md
     pairs = result["criteria"]["pairs"]
     assert len(pairs) == 2 * 2 * 2  # data sets × M × posteriors
     assert {r["selection"] for r in rows if r["method"] == "SFR-like CP (random)"} == {

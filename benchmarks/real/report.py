@@ -137,6 +137,8 @@ def _run_line(metas: list[dict]) -> str:
 
 
 def _draw(ax: Any, ds: str, aggs: list[dict], fractions: list[float]) -> None:
+    if ds == "digits":  # the published curves at all their M, even in a short run
+        fractions = sorted(set(fractions) | set(SFR_DIGITS["SFR (published)"]))
     xs = [100 * f for f in fractions]
     for a_method in dict.fromkeys(a["method"] for a in aggs):
         by_f = {a["fraction"]: a for a in aggs if a["method"] == a_method}
@@ -175,6 +177,7 @@ def _draw(ax: Any, ds: str, aggs: list[dict], fractions: list[float]) -> None:
                 yerr=[SFR_DIGITS_STD[label].get(f, math.nan) for f in fractions],
                 fmt="--x",
                 capsize=2,
+                color="black" if label.startswith("SFR") else "tab:olive",
                 label=label,
             )
     ax.set_xscale("log")
@@ -225,12 +228,16 @@ def _run_text(run: dict[str, Any] | None, records: list[dict]) -> list[str]:
     ]
     lines = []
     if run and "wall_s" in run:
+        how = "stopped before the end" if run.get("cut_short") else "the whole run"
         lines.append(
-            f"Wall time of the whole run: {run['wall_s'] / 60:.1f} min "
+            f"Wall time ({how}): {run['wall_s'] / 60:.1f} min "
             f"({run['started']} – {run['finished']}, {run['workers']} worker processes "
             f"of one thread on {run['cpu_count']} cores; load average at the end "
-            f"{run['load_average_at_end'][0]:.1f})."
+            f"{run['load_average_at_end'][0]:.1f}{run.get('note', '')})."
         )
+    cpu = sum(r["meta"].get("cpu_s", 0.0) for r in records)
+    if cpu:
+        lines.append(f"CPU time of the finished tasks: {cpu / 60:.1f} min.")
     if partial:
         lines.append(f"Tasks cut short (partial rows only): {', '.join(partial)}.")
     return lines + [""] if lines else []
