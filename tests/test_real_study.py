@@ -170,13 +170,15 @@ class _Fake:
 
 
 class _FakeEvidence(_Fake):
-    def optimize_prior_precision(self, method: str) -> None:
-        assert method == "marglik"
-        self.prior_precision = 42.0
+    """Evidence ``−(log10 δ − log10 42)²``: its maximiser is ``δ = 42``."""
+
+    def log_marginal_likelihood(self, prior_precision: torch.Tensor) -> torch.Tensor:
+        self.prior_precision = float(prior_precision)
+        return -((prior_precision.log10() - math.log10(42.0)) ** 2).sum()
 
 
 class _FakeRefuses(_Fake):
-    def optimize_prior_precision(self, method: str) -> None:
+    def log_marginal_likelihood(self, prior_precision: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -215,11 +217,41 @@ def test_selection_by_validation_grid_picks_the_lowest_nlpd() -> None:
 
 def test_selection_prefers_evidence_and_falls_back() -> None:
     ctx = _ctx()
-    sel = select_prior_precision(_FakeEvidence, ctx, [1.0, 2.0])
-    assert (sel.how, sel.delta) == ("marglik", 42.0)
+    grid = [10.0**k for k in range(-2, 7)]
+    sel = select_prior_precision(_FakeEvidence, ctx, grid)
+    assert sel.how == "evidence"
+    assert sel.delta == pytest.approx(42.0, rel=0.07)  # the search resolution
+    assert float(sel.posterior.prior_precision) == pytest.approx(sel.delta)
+    edge = select_prior_precision(_FakeEvidence, ctx, [1.0, 2.0])
+    assert edge.delta == pytest.approx(2.0, rel=0.07)  # maximiser at the range's end
     assert select_prior_precision(_FakeRefuses, ctx, [1.0, 2.0]).how == "val-grid"
     off = select_prior_precision(_FakeEvidence, ctx, [1.0, 2.0], use_evidence=False)
     assert off.how == "val-grid"
+
+
+def test_selection_rebuilds_at_the_chosen_delta_when_shared() -> None:
+    # laplace-torch 0.3's FunctionalLaplace goes stale when δ changes after fit:
+    # with shared=True the evidence's choice is fitted afresh
+    ctx, built = _ctx(), []
+
+    def build(delta: float) -> _FakeEvidence:
+        built.append(delta)
+        return _FakeEvidence(delta)
+
+    sel = select_prior_precision(
+        build, ctx, [10.0**k for k in range(-2, 7)], shared=True
+    )
+    assert len(built) == 2 and built[-1] == sel.delta
+    assert sel.posterior.prior_precision == sel.delta  # the fresh object
+
+
+def test_task_order_covers_every_task_once_largest_data_set_last() -> None:
+    from benchmarks.real.runner import task_order
+
+    order = task_order(["big", "a", "b"], [1, 2, 3])
+    assert sorted(order) == sorted((d, s) for d in ("big", "a", "b") for s in (1, 2, 3))
+    assert order[:3] == [("big", 1), ("a", 1), ("b", 1)]
+    assert order[-2:] == [("big", 2), ("big", 3)]
 
 
 def test_aggregate_mean_and_sample_std() -> None:
@@ -238,6 +270,56 @@ def test_aggregate_mean_and_sample_std() -> None:
     assert agg["nlpd"][0] == pytest.approx(7 / 3)
     assert agg["nlpd"][1] == pytest.approx(np.std([1.0, 2.0, 4.0], ddof=1))
     assert agg["n_seeds"] == 3 and agg["errors"] == ["E: e"]
+
+
+def _agg(ds: str, method: str, frac: float, nlpd: float, lv: float) -> dict:
+    return {
+        "dataset": ds,
+        "method": method,
+        "fraction": frac,
+        "nlpd": [nlpd, 0.0],
+        "log_var_error": [lv, 0.0],
+    }
+
+
+def test_criteria_by_hand() -> None:
+    from benchmarks.real.criteria import check_criteria, criteria_markdown
+
+    aggs = [
+        # digits 1 %: CP optimised better in both; LFL optimised worse NLPD
+        _agg("digits", "SFR-like CP (random)", 0.01, 0.50, 0.30),
+        _agg("digits", "CP (optimised)", 0.01, 0.40, 0.20),
+        _agg("digits", "LFL full-Λ (random)", 0.01, 0.20, 1.00),
+        _agg("digits", "LFL full-Λ (optimised)", 0.01, 0.21, 0.90),
+        # digits 20 %: log-var worse but M > 10 %, so not required
+        _agg("digits", "SFR-like CP (random)", 0.20, 0.12, 0.10),
+        _agg("digits", "CP (optimised)", 0.20, 0.12, 0.15),
+        _agg("digits", "GP-subset", 0.20, 0.01, 0.0),  # not ours: not the best row
+    ]
+    out = check_criteria(aggs)
+    assert out["nlpd_never_worse"] is False
+    assert out["nlpd_failures"] == ["digits M=1% LocationFunctionalLaplace"]
+    assert out["log_var_better_m_le_10"] is True
+    by = {(p["fraction"], p["posterior"]): p for p in out["pairs"]}
+    assert by[(0.20, "ContextPosterior")]["log_var_better"] is None
+    assert by[(0.01, "ContextPosterior")]["nlpd"]["diff"] == pytest.approx(-0.10)
+    sfr = {s["fraction"]: s for s in out["sfr"]}
+    assert sfr[0.01]["best_ours"] == "LFL full-Λ (random)" and sfr[0.01]["beats_sfr"]
+    assert sfr[0.20]["best_ours_nlpd"] == 0.12 and not sfr[0.20]["beats_sfr"]
+    assert out["sfr_behind"] == ["M=20%"]
+    assert "**FAILED**" in "\n".join(criteria_markdown(out))
+
+
+def test_load_records_prefers_finished_then_partial(tmp_path: Path) -> None:
+    from benchmarks.real.runner import load_records
+
+    (tmp_path / "a_1.json").write_text(json.dumps({"meta": {"k": "done"}, "rows": []}))
+    (tmp_path / "a_1.partial.json").write_text(json.dumps({"meta": {"k": "p"}}))
+    (tmp_path / "b_1.partial.json").write_text(
+        json.dumps({"meta": {"k": "partial"}, "rows": []})
+    )
+    got = load_records(tmp_path, [("a", 1), ("b", 1), ("c", 1)])
+    assert [r["meta"]["k"] for r in got] == ["done", "partial"]
 
 
 # ---------------------------------------------------------- end to end
@@ -262,7 +344,8 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("RESULTS.md", "results.json", "nlpd_wine.png", "nlpd_diabetes.png"):
+    names = ("RESULTS.md", "results.json", "run.json", "nlpd_vs_m.png", "nlpd_wine.png")
+    for name in (*names, "nlpd_diabetes.png"):
         assert (tmp_path / name).stat().st_size > 0
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["rows"]
@@ -282,6 +365,12 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
             assert 0 <= r["ece"] <= 1 and 0 <= r["accuracy"] <= 1
     md = (tmp_path / "RESULTS.md").read_text()
     assert "## wine" in md and "## diabetes" in md and "val-grid" in md
+    assert "## Criteria" in md and "Wall time (the whole run)" in md
+    pairs = result["criteria"]["pairs"]
+    assert len(pairs) == 2 * 2 * 2  # data sets × M × posteriors
+    assert {r["selection"] for r in rows if r["method"] == "SFR-like CP (random)"} == {
+        "evidence"
+    }
 
 
 def test_ella_and_valla_rows_exactly_when_laplace_torch_has_them() -> None:

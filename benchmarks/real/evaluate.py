@@ -22,14 +22,14 @@ __all__ = ["StudyConfig", "evaluate_seed"]
 
 @dataclass(frozen=True)
 class StudyConfig:
-    """Sizes of the study (``--quick`` shrinks them)."""
+    """Sizes of the study (``--quick`` shrinks them); why these: ``README.md``."""
 
     fractions: tuple[float, ...] = (0.01, 0.02, 0.05, 0.10, 0.20)
     methods: tuple[str, ...] = tuple(METHODS)
-    steps: int = 100
+    steps: int = 50
     batch_size: int = 128
-    valla_iterations: int = 50
-    grid: tuple[float, ...] = tuple(10.0**k for k in range(-2, 5))
+    valla_iterations: int = 10
+    grid: tuple[float, ...] = tuple(10.0**k for k in range(-2, 7))
 
 
 def _full_metrics(ctx: SeedContext, delta: float) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def _optimised(ctx: SeedContext, row: Row, steps: int, batch: int, delta: float)
     kwargs: dict[str, Any] = {}
     if "evaluate_full" in inspect.signature(optimize_locations).parameters:
         kwargs["evaluate_full"] = False  # once the optimiser offers the switch
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = optimize_locations(
         ctx.model,
         ctx.likelihood,
@@ -88,11 +88,12 @@ def _optimised(ctx: SeedContext, row: Row, steps: int, batch: int, delta: float)
         progress_bar=False,
         **kwargs,
     )
-    return result.locations, time.perf_counter() - start
+    times = (time.perf_counter() - start, time.process_time() - cpu)
+    return result.locations, times
 
 
 def _method_row(spec: MethodSpec, ctx: SeedContext, row: Row, grid, init_delta):
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if spec.selection == "own":  # learns δ while fitting: one fit, no grid
         posterior = spec.build(ctx, row, init_delta)
         delta = torch.as_tensor(posterior.prior_precision).detach()
@@ -108,10 +109,10 @@ def _method_row(spec: MethodSpec, ctx: SeedContext, row: Row, grid, init_delta):
             initial=init_delta,
             shared=spec.shared,
         )
-    fit_s = time.perf_counter() - start
-    start = time.perf_counter()
+    fit_s, fit_cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    start, cpu = time.perf_counter(), time.process_time()
     var = latent_variance(sel.posterior, ctx.jac_test)
-    predict_s = time.perf_counter() - start
+    predict_s, predict_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     sigma = sigma_of(sel.posterior, ctx)
     ref = ctx.full.latent_variance(ctx.proj_test, sel.delta, sigma)
     return {
@@ -123,6 +124,8 @@ def _method_row(spec: MethodSpec, ctx: SeedContext, row: Row, grid, init_delta):
         "share_below": share_below(var, ref),
         "fit_s": fit_s,
         "predict_s": predict_s,
+        "fit_cpu_s": fit_cpu_s,
+        "predict_cpu_s": predict_cpu_s,
     }
 
 
@@ -130,6 +133,7 @@ def evaluate_seed(
     ctx: SeedContext,
     config: StudyConfig,
     on_method: Callable[[str], None] | None = None,
+    on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """All rows of one (data set, seed): MAP, FullLaplace and every method at every M.
 
@@ -141,6 +145,8 @@ def evaluate_seed(
         Sizes.
     on_method : callable, optional
         Called with a label after each method (progress).
+    on_rows : callable, optional
+        Called with all rows so far after each method (incremental writing).
 
     Returns
     -------
@@ -160,11 +166,11 @@ def evaluate_seed(
             ctx.split.y_train[idx].clone(),
             valla_iterations=config.valla_iterations,
         )
-        search_s = None
+        search_s = search_cpu_s = None
         for name in config.methods:
             spec = METHODS[name]
             if spec.locations == "optimised" and row.optimised is None:
-                row.optimised, search_s = _optimised(
+                row.optimised, (search_s, search_cpu_s) = _optimised(
                     ctx, row, config.steps, config.batch_size, delta_full
                 )
             try:
@@ -173,8 +179,10 @@ def evaluate_seed(
                 out = {"method": name, "error": f"{type(err).__name__}: {err}"}
             out.update(m=m, fraction=frac)
             if spec.locations == "optimised":
-                out["search_s"] = search_s
+                out["search_s"], out["search_cpu_s"] = search_s, search_cpu_s
             rows.append(out)
+            if on_rows is not None:
+                on_rows(rows)
             if on_method is not None:
-                on_method(f"{name} M={m}")
+                on_method(f"{name} M={m} (fit {out.get('fit_s', 0.0):.0f} s)")
     return rows

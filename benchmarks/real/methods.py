@@ -47,7 +47,7 @@ class MethodSpec:
     build: Builder
     selection: str
     locations: str  # 'random', 'optimised' or 'none'
-    shared: bool = False  # build re-tunes one fitted object
+    shared: bool = False  # build again at the chosen δ (see select_prior_precision)
     note: str = ""
 
 
@@ -158,6 +158,7 @@ METHODS: dict[str, MethodSpec] = {
             _gp_subset,
             "evidence",
             "random",
+            shared=True,  # refit at the chosen δ: its variance goes stale
             note="laplace-torch FunctionalLaplace, its own random subset",
         ),
         MethodSpec(

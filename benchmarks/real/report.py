@@ -13,8 +13,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .criteria import check_criteria, criteria_markdown  # noqa: E402
 from .data import DATASETS  # noqa: E402
-from .published import SFR_DIGITS, SFR_PROTOCOL_NOTE  # noqa: E402
+from .published import SFR_DIGITS, SFR_DIGITS_STD, SFR_PROTOCOL_NOTE  # noqa: E402
 
 __all__ = ["aggregate", "write_report"]
 
@@ -28,6 +29,9 @@ METRICS = (
     "fit_s",
     "search_s",
     "predict_s",
+    "fit_cpu_s",
+    "search_cpu_s",
+    "predict_cpu_s",
 )
 
 
@@ -94,7 +98,11 @@ def _nlpd_table(ds: str, aggs: list[dict], fractions: list[float]) -> list[str]:
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     if ds == "digits":
         for label, values in SFR_DIGITS.items():
-            cells = [f"{values[f]:.3f}" if f in values else "–" for f in fractions]
+            std = SFR_DIGITS_STD[label]
+            cells = [
+                f"{values[f]:.3f} ± {std[f]:.3f}" if f in values else "–"
+                for f in fractions
+            ]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -102,6 +110,7 @@ def _nlpd_table(ds: str, aggs: list[dict], fractions: list[float]) -> list[str]:
 def _detail_table(aggs: list[dict], task: str) -> list[str]:
     keys = ["nlpd", "accuracy", "ece"] if task == "classification" else ["nlpd", "rmse"]
     keys += ["log_var_error", "share_below", "fit_s", "search_s", "predict_s"]
+    keys += ["fit_cpu_s", "search_cpu_s"]
     lines = [
         "| method | M | δ chosen by | " + " | ".join(keys) + " | errors |",
         "|---" * (len(keys) + 4) + "|",
@@ -127,8 +136,9 @@ def _run_line(metas: list[dict]) -> str:
     )
 
 
-def _plot(ds: str, aggs: list[dict], fractions: list[float], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+def _draw(ax: Any, ds: str, aggs: list[dict], fractions: list[float]) -> None:
+    if ds == "digits":  # the published curves at all their M, even in a short run
+        fractions = sorted(set(fractions) | set(SFR_DIGITS["SFR (published)"]))
     xs = [100 * f for f in fractions]
     for a_method in dict.fromkeys(a["method"] for a in aggs):
         by_f = {a["fraction"]: a for a in aggs if a["method"] == a_method}
@@ -161,8 +171,14 @@ def _plot(ds: str, aggs: list[dict], fractions: list[float], path: Path) -> None
         for label, values in SFR_DIGITS.items():
             if label.startswith("MAP"):
                 continue
-            ax.plot(
-                xs, [values.get(f, math.nan) for f in fractions], "--x", label=label
+            ax.errorbar(
+                xs,
+                [values.get(f, math.nan) for f in fractions],
+                yerr=[SFR_DIGITS_STD[label].get(f, math.nan) for f in fractions],
+                fmt="--x",
+                capsize=2,
+                color="black" if label.startswith("SFR") else "tab:olive",
+                label=label,
             )
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -171,13 +187,65 @@ def _plot(ds: str, aggs: list[dict], fractions: list[float], path: Path) -> None
     ax.set_xlabel("M (% of N_train)")
     ax.set_ylabel("test NLPD")
     ax.set_title(ds)
+
+
+def _plot(ds: str, aggs: list[dict], fractions: list[float], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    _draw(ax, ds, aggs, fractions)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def write_report(records: list[dict], out: Path, command: str) -> dict[str, Any]:
+def _plot_all(aggs: list[dict], path: Path) -> None:
+    """One panel per data set, one shared legend."""
+    names = list(dict.fromkeys(a["dataset"] for a in aggs))
+    cols = min(2, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows + 0.8))
+    flat = list(getattr(axes, "flat", [axes]))
+    handles: dict[str, Any] = {}
+    for ax, ds in zip(flat, names):
+        sub = [a for a in aggs if a["dataset"] == ds]
+        fractions = sorted({a["fraction"] for a in sub if a["fraction"] is not None})
+        _draw(ax, ds, sub, fractions)
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    for ax in flat[len(names) :]:
+        ax.set_visible(False)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=7)
+    fig.tight_layout(rect=(0, 0.12 if rows > 1 else 0.2, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _run_text(run: dict[str, Any] | None, records: list[dict]) -> list[str]:
+    partial = [
+        f"{r['meta']['dataset']} seed {r['meta']['seed']}"
+        for r in records
+        if r["meta"].get("partial")
+    ]
+    lines = []
+    if run and "wall_s" in run:
+        how = "stopped before the end" if run.get("cut_short") else "the whole run"
+        lines.append(
+            f"Wall time ({how}): {run['wall_s'] / 60:.1f} min "
+            f"({run['started']} – {run['finished']}, {run['workers']} worker processes "
+            f"of one thread on {run['cpu_count']} cores; load average at the end "
+            f"{run['load_average_at_end'][0]:.1f}{run.get('note', '')})."
+        )
+    cpu = sum(r["meta"].get("cpu_s", 0.0) for r in records)
+    if cpu:
+        lines.append(f"CPU time of the finished tasks: {cpu / 60:.1f} min.")
+    if partial:
+        lines.append(f"Tasks cut short (partial rows only): {', '.join(partial)}.")
+    return lines + [""] if lines else []
+
+
+def write_report(
+    records: list[dict], out: Path, command: str, run: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Write ``RESULTS.md``, ``results.json`` and ``nlpd_<data set>.png``.
 
     Parameters
@@ -188,6 +256,8 @@ def write_report(records: list[dict], out: Path, command: str) -> dict[str, Any]
         Output folder.
     command : str
         The command line, recorded in the report.
+    run : dict, optional
+        Wall time and machine of the run (``run.json``), recorded in the report.
 
     Returns
     -------
@@ -197,10 +267,13 @@ def write_report(records: list[dict], out: Path, command: str) -> dict[str, Any]
     """
     rows = [r for rec in records for r in rec["rows"]]
     aggs = aggregate(rows)
+    criteria = check_criteria(aggs)
     result = {
         "command": command,
+        "run": run or {},
         "meta": [r["meta"] for r in records],
         "aggregate": aggs,
+        "criteria": criteria,
         "rows": rows,
     }
     (out / "results.json").write_text(json.dumps(result, indent=1))
@@ -211,6 +284,11 @@ def write_report(records: list[dict], out: Path, command: str) -> dict[str, Any]
         "",
         "Mean ± standard deviation over seeds. See `benchmarks/real/README.md` "
         "for the protocol.",
+        "",
+        *_run_text(run, records),
+        "![NLPD vs M, every data set](nlpd_vs_m.png)",
+        "",
+        *criteria_markdown(criteria),
         "",
     ]
     for ds in dict.fromkeys(r["dataset"] for r in rows):
@@ -236,5 +314,6 @@ def write_report(records: list[dict], out: Path, command: str) -> dict[str, Any]
         plot = out / f"nlpd_{ds}.png"
         _plot(ds, sub, fractions, plot)
         lines += ["", f"![NLPD vs M, {ds}]({plot.name})", ""]
+    _plot_all(aggs, out / "nlpd_vs_m.png")
     (out / "RESULTS.md").write_text("\n".join(lines) + "\n")
     return result

@@ -7,7 +7,10 @@ under a minute; the defaults are the full study (see ``README.md``).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.real`` importable
@@ -42,12 +45,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fractions", nargs="+", type=float, help="M as shares of N")
     p.add_argument("--methods", nargs="+", choices=list(METHODS))
     p.add_argument("--steps", type=int, help="optimize_locations steps")
-    p.add_argument("--batch-size", type=int, default=128, help="optimiser batch")
+    p.add_argument(
+        "--batch-size", type=int, default=StudyConfig.batch_size, help="optimiser batch"
+    )
     p.add_argument("--valla-iterations", type=int)
     p.add_argument("--epochs", type=int, help="MAP training epochs (max)")
     p.add_argument("--width", type=int, help="hidden units per layer (default 50)")
     p.add_argument("--workers", type=int, default=2, help="processes")
     p.add_argument("--resume", action="store_true", help="reuse finished tasks")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="only rewrite the report from OUT/raw (finished and partial tasks)",
+    )
     p.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent / "results"
     )
@@ -59,13 +69,15 @@ def configs(args: argparse.Namespace) -> tuple[list, list, StudyConfig, TrainCon
     quick = QUICK if args.quick else {}
     datasets = args.datasets or quick.get("datasets", list(DATASETS))
     seeds = args.seeds or quick.get("seeds", list(SEEDS))
+    base = StudyConfig()
     study = StudyConfig(
         fractions=tuple(args.fractions or quick.get("fractions", FRACTIONS)),
         methods=tuple(args.methods or METHODS),
-        steps=args.steps if args.steps is not None else quick.get("steps", 100),
+        steps=args.steps if args.steps is not None else quick.get("steps", base.steps),
         batch_size=args.batch_size,
-        valla_iterations=args.valla_iterations or quick.get("valla_iterations", 50),
-        grid=tuple(quick.get("grid", StudyConfig().grid)),
+        valla_iterations=args.valla_iterations
+        or quick.get("valla_iterations", base.valla_iterations),
+        grid=tuple(quick.get("grid", base.grid)),
     )
     train = TrainConfig(
         epochs=args.epochs or quick.get("epochs", 300),
@@ -77,18 +89,35 @@ def configs(args: argparse.Namespace) -> tuple[list, list, StudyConfig, TrainCon
 def main(argv: list[str] | None = None) -> None:
     """Run the study and write the report into ``--out``."""
     from .report import write_report
-    from .runner import run_study
+    from .runner import load_records, run_study
 
     args = parse_args(argv)
     datasets, seeds, study, train = configs(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    records = run_study(
-        datasets, seeds, study, train, args.out, args.workers, args.resume
-    )
     command = "python -m benchmarks.real " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    write_report(records, args.out, command.strip())
+    run_file = args.out / "run.json"
+    if args.report_only:
+        tasks = [(d, s) for d in datasets for s in seeds]
+        records = load_records(args.out / "raw", tasks)
+        run = json.loads(run_file.read_text()) if run_file.exists() else {}
+    else:
+        started, start = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
+        records = run_study(
+            datasets, seeds, study, train, args.out, args.workers, args.resume
+        )
+        run = {
+            "command": command.strip(),
+            "started": started,
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "wall_s": time.perf_counter() - start,
+            "workers": args.workers,
+            "cpu_count": os.cpu_count(),
+            "load_average_at_end": list(os.getloadavg()),
+        }
+        run_file.write_text(json.dumps(run, indent=1))
+    write_report(records, args.out, run.get("command", command.strip()), run)
     print(f"wrote {args.out / 'RESULTS.md'}")
 
 

@@ -1,8 +1,14 @@
-"""Run the study: (data set, seed) tasks, in up to ``workers`` processes."""
+"""Run the study: (data set, seed) tasks, in up to ``workers`` processes.
+
+Rows are written as they come: ``raw/<data set>_<seed>.partial.json`` after every
+method, ``raw/<data set>_<seed>.json`` when the task is done (the partial file is
+then removed), so a run cut short keeps what it had (:func:`load_records`).
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
@@ -18,7 +24,16 @@ from .data import load_split
 from .evaluate import StudyConfig, evaluate_seed
 from .training import TrainConfig
 
-__all__ = ["run_study", "run_task"]
+__all__ = ["load_records", "run_study", "run_task", "task_order"]
+
+
+def _log_line(name: str, seed: int, start: float) -> Callable[[str], None]:
+    def log(label: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        elapsed = time.perf_counter() - start
+        print(f"[{stamp}] {name} seed {seed} +{elapsed:.0f}s: {label}", flush=True)
+
+    return log
 
 
 def run_task(
@@ -28,6 +43,7 @@ def run_task(
     train: TrainConfig,
     raw_dir: str,
     on_method: Callable[[str], None] | None = None,
+    log: bool = False,
 ) -> list[dict[str, Any]]:
     """All rows of one (data set, seed), written to ``raw_dir/name_seed.json``.
 
@@ -45,6 +61,8 @@ def run_task(
         Folder for the per-task JSON.
     on_method : callable, optional
         Progress callback, called with a label after each step.
+    log : bool, default=False
+        Print a time-stamped line after each step (used by worker processes).
 
     Returns
     -------
@@ -53,28 +71,91 @@ def run_task(
     """
     torch.set_num_threads(1)
     start, cpu = time.perf_counter(), time.process_time()
+    if log and on_method is None:
+        on_method = _log_line(name, seed, start)
     split = load_split(name, seed)
     ctx = build_context(split, seed, train)
-    if on_method is not None:
-        on_method(f"{name} seed {seed}: network and full Laplace ready")
-    rows = evaluate_seed(ctx, config, on_method)
-    for row in rows:
-        row.update(dataset=name, seed=seed, task=split.task)
-        row.setdefault("train_s", ctx.times["train"])
-    meta = {
+    meta: dict[str, Any] = {
         "dataset": name,
         "seed": seed,
         "n_train": int(split.x_train.shape[0]),
         "n_params": ctx.full.n_params,
         "sigma_noise": ctx.sigma_noise,
         "times": ctx.times,
-        "total_s": time.perf_counter() - start,
-        "cpu_s": time.process_time() - cpu,  # one thread: the unshared wall time
     }
+    partial = Path(raw_dir, f"{name}_{seed}.partial.json")
+
+    def tag(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for row in rows:
+            row.update(dataset=name, seed=seed, task=split.task)
+            row.setdefault("train_s", ctx.times["train"])
+        return rows
+
+    def write_partial(rows: list[dict[str, Any]]) -> None:
+        now = {"total_s": time.perf_counter() - start, "partial": True}
+        record = {"meta": {**meta, **now}, "rows": tag(rows)}
+        partial.write_text(json.dumps(record, indent=1))
+
+    if on_method is not None:
+        on_method("network and full Laplace ready")
+    rows = tag(evaluate_seed(ctx, config, on_method, write_partial))
+    meta["total_s"] = time.perf_counter() - start
+    meta["cpu_s"] = time.process_time() - cpu  # one thread: the unshared wall time
     Path(raw_dir, f"{name}_{seed}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1)
     )
+    partial.unlink(missing_ok=True)
     return rows
+
+
+def load_records(raw: Path, tasks: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Finished task records, else partial ones, for the tasks that have either.
+
+    Parameters
+    ----------
+    raw : Path
+        The ``raw`` folder.
+    tasks : list of (str, int)
+        (data set, seed) pairs.
+
+    Returns
+    -------
+    list of dict
+        ``{"meta": ..., "rows": ...}``; a partial record has ``meta["partial"]``.
+
+    """
+    records = []
+    for d, s in tasks:
+        for path in (raw / f"{d}_{s}.json", raw / f"{d}_{s}.partial.json"):
+            if path.exists():
+                records.append(json.loads(path.read_text()))
+                break
+    return records
+
+
+def task_order(datasets: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """The order tasks are started in: useful results early in a run cut short.
+
+    The first seed of every data set, then the remaining seeds of all data sets but
+    the first (the small ones), then the first data set's (the largest's) remaining
+    seeds. On 2 workers one works through the large data set while the other does
+    the small ones, so a run cut short has every data set, most with all seeds.
+
+    Parameters
+    ----------
+    datasets : list of str
+        Largest first.
+    seeds : list of int
+        Seeds.
+
+    Returns
+    -------
+    list of (str, int)
+
+    """
+    first = [(d, seeds[0]) for d in datasets]
+    small = [(d, s) for s in seeds[1:] for d in datasets[1:]]
+    return first + small + [(datasets[0], s) for s in seeds[1:]]
 
 
 def run_study(
@@ -91,7 +172,7 @@ def run_study(
     Parameters
     ----------
     datasets, seeds : list
-        What to run.
+        What to run (largest data set first; order: :func:`task_order`).
     config : StudyConfig
         Study sizes.
     train : TrainConfig
@@ -106,13 +187,16 @@ def run_study(
     Returns
     -------
     list of dict
-        The raw task records ``{"meta": ..., "rows": ...}``.
+        The task records ``{"meta": ..., "rows": ...}`` (partial ones for tasks
+        that failed part-way; a failed task is reported on stderr).
 
     """
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    # the largest data set first, so that two workers finish together
-    tasks = [(d, s) for d in datasets for s in seeds]
+    (out / "config.json").write_text(
+        json.dumps({"study": asdict(config), "train": asdict(train)}, indent=1)
+    )
+    tasks = task_order(datasets, seeds)
     todo = [t for t in tasks if not (resume and (raw / f"{t[0]}_{t[1]}.json").exists())]
     bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc="study")
     args = [(d, s, config, train, str(raw)) for d, s in todo]
@@ -123,14 +207,14 @@ def run_study(
             bar.update()
     else:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(run_task, *a): a for a in args}
+            futures = {pool.submit(run_task, *a, None, True): a for a in args}
             for fut in as_completed(futures):
-                fut.result()
-                bar.set_postfix_str(f"done {futures[fut][0]} seed {futures[fut][1]}")
+                name, seed = futures[fut][:2]
+                try:
+                    fut.result()
+                except Exception as err:  # keep the other tasks and the partial rows
+                    print(f"task {name} seed {seed} failed: {err!r}", file=sys.stderr)
+                bar.set_postfix_str(f"done {name} seed {seed}")
                 bar.update()
     bar.close()
-    records = [json.loads((raw / f"{d}_{s}.json").read_text()) for d, s in tasks]
-    (out / "config.json").write_text(
-        json.dumps({"study": asdict(config), "train": asdict(train)}, indent=1)
-    )
-    return records
+    return load_records(raw, tasks)

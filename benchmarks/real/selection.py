@@ -2,9 +2,18 @@
 
 A method supplies ``build(δ) -> fitted posterior``. :func:`select_prior_precision`
 uses the posterior's own evidence when it has one and the method allows it
-(``optimize_prior_precision(method='marglik')``, as laplace-torch names it), and
-otherwise the ``δ`` of a fixed log-grid with the lowest validation NLPD. The
-returned label says which was used; it is recorded in every result row.
+(``log_marginal_likelihood(prior_precision=δ)``, laplace-torch's name, maximised
+over ``log δ`` by :func:`maximise_evidence`: the grid, then golden-section search
+in the best grid point's bracket, without gradients), and otherwise the ``δ`` of
+the same log-grid with the lowest validation NLPD. The returned label says which
+was used; it is recorded in every result row.
+
+Why not ``optimize_prior_precision(method='marglik')``: it takes 100 Adam steps,
+each one evaluation *and* backward of the evidence (two ``(MC)²`` Cholesky
+factorisations for ``ContextPosterior``), from ``δ = 1`` with step 0.1 in
+``log δ``; the search here needs 19 forward evaluations (the 9 grid points, then
+10 in golden-section search, which narrows the 2-decade bracket to 0.03 decades)
+for the same maximiser on the grid's range.
 """
 
 from __future__ import annotations
@@ -18,7 +27,15 @@ import torch
 from .context import SeedContext
 from .predictive import latent_variance, predictive_metrics
 
-__all__ = ["Selection", "default_grid", "select_prior_precision", "validation_nlpd"]
+__all__ = [
+    "Selection",
+    "default_grid",
+    "maximise_evidence",
+    "select_prior_precision",
+    "validation_nlpd",
+]
+
+GOLDEN_STEPS = 8
 
 
 @dataclass
@@ -77,8 +94,53 @@ def validation_nlpd(posterior: Any, ctx: SeedContext) -> float:
     return value if math.isfinite(value) else math.inf
 
 
-def _delta_of(posterior: Any) -> float:
-    return float(torch.as_tensor(posterior.prior_precision).detach().reshape(-1)[0])
+def _evidence_at(posterior: Any, log10_delta: float) -> float:
+    delta = torch.tensor([10.0**log10_delta], dtype=torch.float64)
+    with torch.no_grad():
+        value = float(posterior.log_marginal_likelihood(prior_precision=delta))
+    return value if math.isfinite(value) else -math.inf
+
+
+def maximise_evidence(posterior: Any, grid: list[float]) -> float:
+    """The ``δ`` maximising ``posterior.log_marginal_likelihood`` on the grid's range.
+
+    The evidence is evaluated at the grid points, then golden-section search runs
+    on ``log δ`` in the bracket of the best one (its neighbours); the posterior is
+    left at the maximiser.
+
+    Parameters
+    ----------
+    posterior : object
+        With ``log_marginal_likelihood(prior_precision=...)`` and a settable
+        ``prior_precision``.
+    grid : list of float
+        Increasing prior precisions.
+
+    Returns
+    -------
+    float
+        The maximiser, within ``[grid[0], grid[-1]]``.
+
+    """
+    logs = [math.log10(d) for d in grid]
+    values = [_evidence_at(posterior, g) for g in logs]
+    i = max(range(len(logs)), key=values.__getitem__)
+    a, b = logs[max(i - 1, 0)], logs[min(i + 1, len(logs) - 1)]
+    phi = (math.sqrt(5) - 1) / 2
+    c, d = b - phi * (b - a), a + phi * (b - a)
+    fc, fd = _evidence_at(posterior, c), _evidence_at(posterior, d)
+    for _ in range(GOLDEN_STEPS):
+        if fc > fd:
+            b, d, fd = d, c, fc
+            c = b - phi * (b - a)
+            fc = _evidence_at(posterior, c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + phi * (b - a)
+            fd = _evidence_at(posterior, d)
+    best = max([(values[i], logs[i]), (fc, c), (fd, d)])[1]
+    posterior.prior_precision = torch.tensor([10.0**best], dtype=torch.float64)
+    return 10.0**best
 
 
 def select_prior_precision(
@@ -100,14 +162,18 @@ def select_prior_precision(
     grid : list of float
         The log-grid for validation selection.
     use_evidence : bool, default=True
-        Try ``optimize_prior_precision(method='marglik')`` first, when the
-        posterior has it (and it is not refused with ``NotImplementedError``).
+        Maximise the posterior's ``log_marginal_likelihood`` over the grid's range
+        (:func:`maximise_evidence`) when it has one (and does not refuse it with
+        ``NotImplementedError``).
     initial : float, default=1.0
         ``δ`` to build at before evidence maximisation.
     shared : bool, default=False
-        ``build`` returns one object re-tuned in place (e.g. ELLA, whose
-        ``prior_precision`` setter refreshes the posterior): rebuild at the chosen
-        ``δ`` after the grid.
+        Build again at the chosen ``δ`` after the grid or the evidence search: for
+        one object re-tuned in place (ELLA) and for laplace-torch 0.3's
+        ``FunctionalLaplace``, whose ``functional_variance`` goes stale when its
+        prior precision is changed after ``fit`` (its evidence does not: measured
+        on diabetes, M = 15, median test variance −2.34 after the evidence search
+        against 0.358 refitted at the same ``δ``).
 
     Returns
     -------
@@ -116,13 +182,15 @@ def select_prior_precision(
     """
     if use_evidence:
         posterior = build(initial)
-        if hasattr(posterior, "optimize_prior_precision"):
+        if hasattr(posterior, "log_marginal_likelihood"):
             try:
-                posterior.optimize_prior_precision(method="marglik")
+                delta = maximise_evidence(posterior, grid)
             except NotImplementedError:
                 pass
             else:
-                return Selection(posterior, _delta_of(posterior), "marglik")
+                if shared:
+                    posterior = build(delta)
+                return Selection(posterior, delta, "evidence")
     best: Selection | None = None
     best_score = math.inf
     for delta in grid:

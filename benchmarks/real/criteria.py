@@ -1,0 +1,186 @@
+"""The issue's acceptance criteria, checked on the aggregated rows.
+
+1. Optimised locations are never worse than the random subset they start from in
+   mean test NLPD, for each posterior (``ContextPosterior``,
+   ``LocationFunctionalLaplace``), data set and M.
+2. They are better in mean ``|log var − log var_full|`` at every M ≤ 10 %.
+3. On digits, our best row (the package's posteriors, random or optimised) against
+   SFR's published NLPD at each M (reported, "behind" where it is not lower).
+
+Every comparison is a row with both means, the difference and a verdict; nothing is
+dropped when it fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .published import SFR_DIGITS
+
+__all__ = ["OURS", "PAIRS", "check_criteria", "criteria_markdown"]
+
+#: (random-subset row, optimised row) per posterior.
+PAIRS = {
+    "ContextPosterior": ("SFR-like CP (random)", "CP (optimised)"),
+    "LocationFunctionalLaplace": ("LFL full-Λ (random)", "LFL full-Λ (optimised)"),
+}
+#: Rows that are this package's posteriors.
+OURS = tuple(name for pair in PAIRS.values() for name in pair)
+
+
+def _mean(agg: dict[str, Any] | None, key: str) -> float | None:
+    if agg is None or key not in agg:
+        return None
+    return float(agg[key][0])
+
+
+def _pair_rows(aggs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    index = {(a["dataset"], a["method"], a["fraction"]): a for a in aggs}
+    keys = sorted({(a["dataset"], a["fraction"]) for a in aggs if a["fraction"]})
+    out = []
+    for ds, frac in keys:
+        for posterior, (rand, opt) in PAIRS.items():
+            a, b = index.get((ds, rand, frac)), index.get((ds, opt, frac))
+            row: dict[str, Any] = {
+                "dataset": ds,
+                "fraction": frac,
+                "posterior": posterior,
+            }
+            for key in ("nlpd", "log_var_error"):
+                r, o = _mean(a, key), _mean(b, key)
+                row[key] = {"random": r, "optimised": o}
+                row[key]["diff"] = None if r is None or o is None else o - r
+            d_nlpd = row["nlpd"]["diff"]
+            row["nlpd_not_worse"] = None if d_nlpd is None else d_nlpd <= 0
+            d_lv = row["log_var_error"]["diff"]
+            needed = frac <= 0.10 + 1e-12
+            row["log_var_better"] = None if d_lv is None or not needed else d_lv < 0
+            out.append(row)
+    return out
+
+
+def _sfr_rows(aggs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    published = SFR_DIGITS["SFR (published)"]
+    out = []
+    for frac, value in sorted(published.items()):
+        ours = [
+            a
+            for a in aggs
+            if a["dataset"] == "digits"
+            and a["method"] in OURS
+            and a["fraction"] is not None
+            and abs(a["fraction"] - frac) < 1e-9
+            and "nlpd" in a
+        ]
+        if not ours:
+            continue
+        best = min(ours, key=lambda a: a["nlpd"][0])
+        out.append(
+            {
+                "fraction": frac,
+                "sfr_published": value,
+                "best_ours": best["method"],
+                "best_ours_nlpd": best["nlpd"][0],
+                "beats_sfr": best["nlpd"][0] < value,
+            }
+        )
+    return out
+
+
+def check_criteria(aggs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Evaluate the criteria on aggregated rows (see module docstring).
+
+    Parameters
+    ----------
+    aggs : list of dict
+        :func:`~benchmarks.real.report.aggregate` output.
+
+    Returns
+    -------
+    dict
+        ``pairs`` (one row per data set, M and posterior), ``sfr`` (digits),
+        and the overall verdicts ``nlpd_never_worse``, ``log_var_better_m_le_10``
+        (``None`` when nothing could be compared) and the failing cases.
+
+    """
+    pairs = _pair_rows(aggs)
+    nlpd = [p for p in pairs if p["nlpd_not_worse"] is not None]
+    lv = [p for p in pairs if p["log_var_better"] is not None]
+    sfr = _sfr_rows(aggs)
+
+    def label(p: dict[str, Any]) -> str:
+        return f"{p['dataset']} M={p['fraction']:.0%} {p['posterior']}"
+
+    return {
+        "pairs": pairs,
+        "sfr": sfr,
+        "nlpd_never_worse": all(p["nlpd_not_worse"] for p in nlpd) if nlpd else None,
+        "nlpd_failures": [label(p) for p in nlpd if not p["nlpd_not_worse"]],
+        "log_var_better_m_le_10": all(p["log_var_better"] for p in lv) if lv else None,
+        "log_var_failures": [label(p) for p in lv if not p["log_var_better"]],
+        "sfr_behind": [f"M={s['fraction']:.0%}" for s in sfr if not s["beats_sfr"]],
+    }
+
+
+def _fmt(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "–"
+    return f"{value:+.4f}" if signed else f"{value:.4f}"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "–" if ok is None else ("yes" if ok else "**NO**")
+
+
+def criteria_markdown(result: dict[str, Any]) -> list[str]:
+    """Markdown lines for :func:`check_criteria`'s result."""
+    yes = {True: "met", False: "**FAILED**", None: "not evaluated"}
+    lines = [
+        "## Criteria (checked automatically, `benchmarks/real/criteria.py`)",
+        "",
+        f"* Optimised never worse than its random start in mean test NLPD: "
+        f"{yes[result['nlpd_never_worse']]}"
+        + (
+            f" (fails: {'; '.join(result['nlpd_failures'])})"
+            if result["nlpd_failures"]
+            else ""
+        ),
+        f"* Optimised better in mean |log var − log var_full| at every M ≤ 10 %: "
+        f"{yes[result['log_var_better_m_le_10']]}"
+        + (
+            f" (fails: {'; '.join(result['log_var_failures'])})"
+            if result["log_var_failures"]
+            else ""
+        ),
+        "* Digits, our best row below SFR's published NLPD: "
+        + (
+            "at every M"
+            if result["sfr"] and not result["sfr_behind"]
+            else f"behind at {', '.join(result['sfr_behind']) or '–'}"
+        ),
+        "",
+        "| data set | M | posterior | NLPD random | NLPD optimised | Δ | not worse "
+        "| log-var err random | optimised | Δ | better (M ≤ 10 %) |",
+        "|---" * 11 + "|",
+    ]
+    for p in result["pairs"]:
+        n, v = p["nlpd"], p["log_var_error"]
+        lines.append(
+            f"| {p['dataset']} | {p['fraction']:.0%} | {p['posterior']} | "
+            f"{_fmt(n['random'])} | {_fmt(n['optimised'])} | {_fmt(n['diff'], True)} | "
+            f"{_verdict(p['nlpd_not_worse'])} | {_fmt(v['random'])} | "
+            f"{_fmt(v['optimised'])} | {_fmt(v['diff'], True)} | "
+            f"{_verdict(p['log_var_better'])} |"
+        )
+    if result["sfr"]:
+        lines += [
+            "",
+            "| digits M | SFR published | our best row | its NLPD | ours lower |",
+            "|---|---|---|---|---|",
+        ]
+        for s in result["sfr"]:
+            lines.append(
+                f"| {s['fraction']:.0%} | {s['sfr_published']:.3f} | {s['best_ours']} "
+                f"| {s['best_ours_nlpd']:.3f} | {_verdict(s['beats_sfr'])} |"
+            )
+    return lines
