@@ -293,7 +293,9 @@ def main() -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--grid", choices=("quick", "full"), default="full")
+    parser.add_argument(
+        "--grid", choices=("quick", "full", "steps", "allocator"), default="full"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
     parser.add_argument("--worker", type=str, default=None)
     parser.add_argument("--append", action="store_true", help="keep scaling.json rows")
