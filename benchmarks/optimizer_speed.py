@@ -16,7 +16,8 @@ Then ``ContextPosterior.fit`` (J-forming today) beside the same ``K_ZX Λ K_XZ``
 accumulation from per-layer features. Times are CPU seconds of this process
 (``time.process_time``), the median over repeats, so that other processes on
 a shared machine do not inflate them; wall seconds are listed beside them.
-``--headline`` adds the end-to-end run of the issue: 200 steps at M = 126;
+``--headline`` adds the end-to-end run of the issue: 200 steps at M = 126
+(``--runs`` times, median); ``--keep-fits`` reuses the saved fit table;
 ``--report-from OPTIMIZER.json`` renders saved results again.
 """
 
@@ -151,6 +152,15 @@ def headline(model, x, m: int, batch: int, steps: int) -> dict:
     }
 
 
+def _saved(output: str) -> dict:
+    """The results of an earlier run (``OPTIMIZER.json`` beside ``output``)."""
+    path = os.path.splitext(output)[0] + ".json"
+    if not os.path.exists(path):
+        raise SystemExit(f"--keep-fits needs an earlier run's {path}.")
+    with open(path) as fh:
+        return json.load(fh)
+
+
 def _n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -160,6 +170,7 @@ def run(args: argparse.Namespace) -> dict:
     widths = [10, 25] if args.quick else [25, 50, 100]
     ms = [5, 13] if args.quick else [13, 63, 126]
     rows, fits = [], []
+    kept_fits = _saved(args.output).get("fits") if args.keep_fits else None
     configs = [(50 if not args.quick else 25, m) for m in ms]
     configs += [(w, ms[1]) for w in widths if w != configs[0][0]]
     for width, m in configs:
@@ -171,12 +182,25 @@ def run(args: argparse.Namespace) -> dict:
             reps = args.repeats if structured else max(1, args.repeats // 2)
             row[name] = step_time(model, x, m, args.batch, structured, reps)
         rows.append(row)
-        fits.append({**row, **fit_time(model, x, m, max(1, args.repeats // 2))})
+        if kept_fits is None:
+            fits.append({**row, **fit_time(model, x, m, max(1, args.repeats // 2))})
         print(f"M={m} P={row['P']}: done", flush=True)
-    result = {"rows": rows, "fits": fits, "batch": args.batch}
+    result = {
+        "rows": rows,
+        "fits": kept_fits if kept_fits is not None else fits,
+        "fits_kept": kept_fits is not None,
+        "batch": args.batch,
+    }
     if args.headline:
         model, x, _ = digits(50)
-        result["headline"] = headline(model, x, 126, args.batch, 200)
+        runs = [headline(model, x, 126, args.batch, 200) for _ in range(args.runs)]
+        result["headline"] = {
+            **runs[0],
+            "cpu": statistics.median(r["cpu"] for r in runs),
+            "wall": statistics.median(r["wall"] for r in runs),
+            "cpu_runs": [r["cpu"] for r in runs],
+            "wall_runs": [r["wall"] for r in runs],
+        }
     return result
 
 
@@ -233,6 +257,15 @@ def report(result: dict, args: argparse.Namespace) -> str:
         "",
         *_fmt_fits(result["fits"]),
         "",
+        *(
+            [
+                "(This table is kept from the previous full run, `--keep-fits`: "
+                "`ContextPosterior.fit` did not change since.)",
+                "",
+            ]
+            if result.get("fits_kept")
+            else []
+        ),
         "`ContextPosterior.fit` forms `J` today. Where "
         "`laplace_diffjac.kernels.structured_applies(backend, prior_var)` holds it "
         "could compute `fz = structured_features(model, Z)` once and, per batch, "
@@ -250,10 +283,18 @@ def report(result: dict, args: argparse.Namespace) -> str:
             "`optimize_locations(..., init='random', steps=200, "
             f"batch_size={h['batch']}, patience=0)`: {h['cpu']:.1f} CPU s "
             f"({h['wall']:.1f} s wall) for "
-            f"{h['steps']} steps; minibatch objective {h['first']:.4g} at the first "
-            f"step, {h['last_10_mean']:.4g} over the last ten.",
+            f"{h['steps']} steps{_runs(h)}; minibatch objective {h['first']:.4g} at "
+            f"the first step, {h['last_10_mean']:.4g} over the last ten.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _runs(h: dict) -> str:
+    if len(h.get("cpu_runs", [])) < 2:
+        return ""
+    cpu = ", ".join(f"{c:.1f}" for c in h["cpu_runs"])
+    wall = ", ".join(f"{w:.1f}" for w in h["wall_runs"])
+    return f" (median of {len(h['cpu_runs'])} runs: CPU s {cpu}; wall s {wall})"
 
 
 def main() -> None:
@@ -262,6 +303,12 @@ def main() -> None:
     parser.add_argument("--headline", action="store_true", help="200 steps at M=126")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=1, help="headline runs (median)")
+    parser.add_argument(
+        "--keep-fits",
+        action="store_true",
+        help="reuse the ContextPosterior.fit table of the saved OPTIMIZER.json",
+    )
     parser.add_argument("--output", default=os.path.join(HERE, "OPTIMIZER.md"))
     parser.add_argument("--report-from", help="render a saved OPTIMIZER.json again")
     args = parser.parse_args()

@@ -26,8 +26,8 @@ from ..backends import JacobianBackend
 from ..kernels import (
     NTKFeatures,
     PriorPrecision,
+    cross_feature_gram,
     feature_diag,
-    feature_gram,
     flat_gram,
     jacobians,
     n_jacobian_columns,
@@ -57,8 +57,8 @@ class StructuredRoute:
         return f if graph else f.detach()
 
     def cross(self, a: Pieces, b: Pieces) -> torch.Tensor:
-        """``(B1 C, B2 C)`` prior-scaled Gram, input-major."""
-        return feature_gram(_features(a), _features(b), self.prior_var)
+        """``(B1 C, B2 C)`` prior-scaled Gram, input-major (``b`` usually detached)."""
+        return cross_feature_gram(_features(a), _features(b), self.prior_var)
 
     def self_gram(self, a: Pieces) -> torch.Tensor:
         """``(B C, B C)`` Gram of a batch with itself, for a symmetric consumer."""

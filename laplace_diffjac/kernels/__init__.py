@@ -8,6 +8,7 @@ activations. ``output_hessians`` gives the GGN likelihood Hessians ``Λₙ``.
 
 from ._activations import ACTIVATIONS
 from ._cholesky import explained_trace, jittered_cholesky
+from ._cross_gram import cross_feature_gram
 from ._likelihood_hessians import output_hessians
 from ._ntk import (
     PriorPrecision,
@@ -34,6 +35,7 @@ __all__ = [
     "NTKFeatures",
     "PriorPrecision",
     "check_structured",
+    "cross_feature_gram",
     "explained_trace",
     "feature_diag",
     "feature_gram",
