@@ -31,7 +31,7 @@ from torch import nn
 from ..errors import UnsupportedModuleError
 from . import _rules_attention, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
-from ._layer_calls import LayerCall
+from ._layer_calls import LayerCall, RecordedForward
 from ._rules_norm import group_norm_factors, layer_norm_factors
 
 Signals = tuple[Optional[torch.Tensor], ...]
@@ -44,6 +44,13 @@ RULES: dict[type[nn.Module], Rule] = {
     nn.GroupNorm: group_norm_factors,
     nn.MultiheadAttention: _rules_attention.attention_factors,
     **{t: _rules_recurrent.recurrent_factors for t in _rules_recurrent.RECURRENT},
+}
+
+
+#: Module types whose computation is redone while recording (see
+#: :func:`.layer_calls.recorded_calls`), so that their rule gets signals inside.
+FORWARDS: dict[type[nn.Module], RecordedForward] = {
+    nn.MultiheadAttention: _rules_attention.recorded_forward,
 }
 
 
