@@ -3,17 +3,18 @@
 Given the gradients of V scalar-per-sample functions with respect to a module's
 output, ``(V, batch, *output_shape)``, describe the per-sample gradients with
 respect to its parameters as factors for :func:`.jacobian_blocks.assemble`.
-``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding) use a closed form (signals
-times inputs), which is never materialised before it is written into the final
-Jacobian. Every other module type that BackPACK's ``BatchGrad`` supports goes
-through BackPACK's derivatives object (``param_mjp``), with BackPACK's bookkeeping
-attributes (``input0``, ``output``) on the module only for the duration of one call.
+``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding) use a
+closed form (signals times inputs), which is never materialised before it is
+written into the final Jacobian. Every other module type that BackPACK's
+``BatchGrad`` supports goes through BackPACK's derivatives object (``param_mjp``),
+with BackPACK's bookkeeping attributes (``input0``, ``output``) on the module only
+for the duration of one call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Optional, cast
+from typing import Any, Optional, Union, cast
 
 import torch
 from backpack.core.derivatives.basederivatives import BaseParameterDerivatives
@@ -31,7 +32,7 @@ from torch import nn
 from ..errors import UnsupportedModuleError
 from . import _rules_attention, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
-from ._layer_calls import LayerCall
+from ._layer_calls import LayerCall, RecordedForward
 from ._rules_norm import group_norm_factors, layer_norm_factors
 
 Signals = tuple[Optional[torch.Tensor], ...]
@@ -44,6 +45,13 @@ RULES: dict[type[nn.Module], Rule] = {
     nn.GroupNorm: group_norm_factors,
     nn.MultiheadAttention: _rules_attention.attention_factors,
     **{t: _rules_recurrent.recurrent_factors for t in _rules_recurrent.RECURRENT},
+}
+
+
+#: Module types whose computation is redone while recording (see
+#: :func:`.layer_calls.recorded_calls`), so that their rule gets signals inside.
+FORWARDS: dict[type[nn.Module], RecordedForward] = {
+    nn.MultiheadAttention: _rules_attention.recorded_forward,
 }
 
 
@@ -175,10 +183,10 @@ def param_jacobian_factors(
 ) -> dict[int, list[Factors]]:
     """Map batched output signals of each module call to Jacobian factors.
 
-    ``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding) give closed-form
-    factors that :func:`.jacobian_blocks.assemble` writes straight into the final
-    Jacobian, and so do the types in :data:`RULES` (norms, attention, recurrent
-    layers); every other module gives a block from BackPACK's ``param_mjp``.
+    ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding) give
+    closed-form factors that :func:`.jacobian_blocks.assemble` writes straight into
+    the final Jacobian, and so do the types in :data:`RULES` (norms, attention,
+    recurrent layers); every other module gives a block from BackPACK's ``param_mjp``.
 
     Parameters
     ----------
@@ -213,8 +221,8 @@ def param_jacobian_factors(
             continue
         elif type(call.module) is nn.Linear:
             blocks = _linear_factors(call, grad, wanted)
-        elif _has_closed_form_conv2d(call.module):
-            blocks = _conv2d_factors(call, grad, wanted)
+        elif _has_closed_form_conv(call.module):
+            blocks = _conv_factors(call, grad, wanted)
         else:
             blocks = _backpack_blocks(call, grad, wanted)
         for key, factors in blocks:
@@ -268,23 +276,24 @@ def _batch_first(g: torch.Tensor) -> torch.Tensor:
     return g if g.shape[3] == 1 else g.contiguous()
 
 
-def _has_closed_form_conv2d(module: nn.Module) -> bool:
+def _has_closed_form_conv(module: nn.Module) -> bool:
     return (
-        type(module) is nn.Conv2d
+        type(module) in (nn.Conv1d, nn.Conv2d)
         and module.groups == 1
         and module.padding_mode == "zeros"
         and not isinstance(module.padding, str)
     )
 
 
-def _conv2d_factors(
+def _conv_factors(
     call: LayerCall, grad: torch.Tensor, wanted: set[int]
 ) -> list[tuple[int, Factors]]:
-    """Closed-form ``nn.Conv2d`` factors (groups 1, zero padding).
+    """Closed-form ``nn.Conv1d``/``nn.Conv2d`` factors (groups 1, zero padding).
 
     A convolution is a Linear layer applied at every output position to the
-    unfolded input patches ``(batch, C_in·kh·kw, L)``, so its factors are those of
-    :func:`_linear_factors` with the ``L`` positions as the extra dimensions.
+    unfolded input patches ``(batch, C_in·∏kernel, L)``, so its factors are those
+    of :func:`_linear_factors` with the ``L`` positions as the extra dimensions. A
+    1-D convolution is unfolded as a 2-D one of height 1.
 
     Returns
     -------
@@ -292,24 +301,30 @@ def _conv2d_factors(
         As for :func:`_linear_factors`, with the unfolded patches as inputs.
 
     """
-    module = cast(nn.Conv2d, call.module)
+    module = cast(Union[nn.Conv1d, nn.Conv2d], call.module)
     n_rows, batch = grad.shape[0], grad.shape[1]
     g = grad.reshape(n_rows, batch, module.out_channels, -1)  # (V, B, out, L)
     blocks: list[tuple[int, Factors]] = []
     if id(module.weight) in wanted:
-        patches = torch.nn.functional.unfold(
-            call.inputs[0],
-            module.kernel_size,
-            dilation=module.dilation,
-            padding=cast(tuple[int, ...], module.padding),  # never a string here
-            stride=module.stride,
-        )  # (B, C_in·kh·kw, L)
+        x, geometry = call.inputs[0], _conv_geometry(module)
+        if isinstance(module, nn.Conv1d):
+            x = x.unsqueeze(2)  # (B, C_in, 1, L_in)
+        patches = torch.nn.functional.unfold(x, **geometry)  # (B, C_in·k, L)
         blocks.append(
             (id(module.weight), Product(_batch_first(g), patches.transpose(1, 2)))
         )
     if module.bias is not None and id(module.bias) in wanted:
         blocks.append((id(module.bias), Summed(g)))
     return blocks
+
+
+def _conv_geometry(module: nn.Conv1d | nn.Conv2d) -> dict[str, tuple[int, ...]]:
+    """Kernel size, dilation, padding and stride for ``unfold`` (2-D)."""
+    names = ("kernel_size", "dilation", "padding", "stride")
+    values = {n: cast(tuple[int, ...], getattr(module, n)) for n in names}
+    if isinstance(module, nn.Conv1d):  # height 1: kernel 1, dilation 1, no padding
+        return {n: ((1 if n != "padding" else 0), *v) for n, v in values.items()}
+    return values
 
 
 def _backpack_blocks(

@@ -1,9 +1,10 @@
 """The one mechanism behind the BackPACK backends: Jacobians in one forward pass.
 
 1. One forward pass records the input and output of every module that owns a
-   parameter of interest (:mod:`.layer_calls`).
-2. One vectorised ``torch.autograd.grad`` (``is_grads_batched``) sends all C output
-   signals back to those module outputs at once. ``autograd.grad`` accumulates into
+   parameter of interest (:mod:`.layer_calls`); attention is redone there with its
+   projections kept as tensors, so that its rule gets signals at them.
+2. One vectorised ``torch.autograd.grad`` (under ``torch.func.vmap``) sends all C
+   output signals back to those tensors at once. ``autograd.grad`` accumulates into
    no ``.grad`` and, as it is asked only for module outputs, fires no hook on the
    input or on leaves upstream of it.
 3. Per-module rules (:mod:`.derivatives`: closed forms for Linear and Conv2d,
@@ -29,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidInputError
 from ._assembly import assemble
-from ._derivatives import owning_modules, param_jacobian_factors
+from ._derivatives import FORWARDS, owning_modules, param_jacobian_factors
 from ._inputs import batch_size, check_model_output, detached
 from ._layer_calls import recorded_calls
 from ._model_guard import preserved_state
@@ -79,7 +80,7 @@ def parameter_jacobians(
     batch = batch_size(x)
     x_in = x if enable_backprop else detached(x)
     with preserved_state(model), torch.enable_grad():
-        with recorded_calls(modules) as calls, sdpa_kernel([SDPBackend.MATH]):
+        with recorded_calls(modules, FORWARDS) as calls, sdpa_kernel([SDPBackend.MATH]):
             # the composite attention kernel: batched and double backward work
             f = check_model_output(model(x_in), batch)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
@@ -133,7 +134,7 @@ def per_sample_gradients(
     modules = owning_modules(root, params)
     batch = batch_size(x)
     with preserved_state(model), torch.enable_grad():
-        with recorded_calls(modules) as calls:
+        with recorded_calls(modules, FORWARDS) as calls:
             f = model(detached(x))
         loss = loss_of_output(f)
         targets = [c.signal_targets() for c in calls]
@@ -190,35 +191,55 @@ def _batched_grad(
     signals: torch.Tensor,
     create_graph: bool,
 ) -> list[torch.Tensor | None]:
-    """Vector-Jacobian products of ``f`` for every seed in ``signals`` at once."""
+    """Vector-Jacobian products of ``f`` for every seed in ``signals`` at once.
+
+    ``torch.func.vmap`` over ``autograd.grad`` first: it has batching rules for the
+    backward kernels of LayerNorm and softmax, which ``is_grads_batched`` (the
+    legacy vmap prototype) runs seed by seed, leaving a graph of V small pieces
+    that makes the double backward several times slower. Then
+    ``is_grads_batched``, then one pass per seed, for graphs (or user hooks) that
+    one of them cannot batch.
+
+    Returns
+    -------
+    list of (torch.Tensor or None)
+        One ``(V, *output.shape)`` tensor per entry of ``outputs``; ``None`` where
+        the output does not influence ``f``.
+
+    """
     if not outputs:
         return []
+    kwargs = {"retain_graph": True, "create_graph": create_graph, "allow_unused": True}
     try:
-        return list(
-            torch.autograd.grad(
-                f,
-                outputs,
-                signals,
-                retain_graph=True,
-                create_graph=create_graph,
-                allow_unused=True,
-                is_grads_batched=True,
-            )
+        return _func_vmap_grad(f, outputs, signals, kwargs)
+    except (RuntimeError, NotImplementedError, ValueError):
+        pass
+    try:
+        grads = torch.autograd.grad(
+            f, outputs, signals, is_grads_batched=True, **kwargs
         )
+        return list(grads)
     except RuntimeError:
-        # Some operations (or user hooks) have no batching rule: one pass per seed.
-        per_seed = [
-            torch.autograd.grad(
-                f,
-                outputs,
-                seed,
-                retain_graph=True,
-                create_graph=create_graph,
-                allow_unused=True,
-            )
-            for seed in signals
-        ]
+        per_seed = [torch.autograd.grad(f, outputs, seed, **kwargs) for seed in signals]
         return [
             None if column[0] is None else torch.stack(column)
             for column in zip(*per_seed)
         ]
+
+
+def _func_vmap_grad(
+    f: torch.Tensor,
+    outputs: list[torch.Tensor],
+    signals: torch.Tensor,
+    kwargs: dict[str, bool],
+) -> list[torch.Tensor | None]:
+    """``autograd.grad`` under ``torch.func.vmap`` over the seeds ``(V, *f.shape)``."""
+    unused: list[int] = []  # filled while vmap traces the function once
+
+    def vjp(seed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grads = torch.autograd.grad(f, outputs, seed, **kwargs)
+        unused.extend(i for i, g in enumerate(grads) if g is None)
+        return tuple(g for g in grads if g is not None)
+
+    used = iter(torch.func.vmap(vjp)(signals))
+    return [None if i in unused else next(used) for i in range(len(outputs))]

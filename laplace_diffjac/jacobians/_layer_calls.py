@@ -7,7 +7,7 @@ is left on the modules afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -46,14 +46,26 @@ class LayerCall:
         return self.outputs if self.outputs else (self.output,)
 
 
+#: ``forward(module, args, kwargs) -> (call, output)``: the module's computation
+#: redone so that the call records intermediate tensors; ``output`` replaces the
+#: module's own (equal in value).
+RecordedForward = Callable[[nn.Module, tuple, dict], tuple["LayerCall", object]]
+
+
 @contextmanager
-def recorded_calls(modules: Sequence[nn.Module]) -> Iterator[list[LayerCall]]:
+def recorded_calls(
+    modules: Sequence[nn.Module],
+    forwards: Mapping[type[nn.Module], RecordedForward] | None = None,
+) -> Iterator[list[LayerCall]]:
     """Record every call of ``modules`` made inside the ``with`` block.
 
     Parameters
     ----------
     modules : sequence of torch.nn.Module
         Modules to watch. A module called twice (shared weights) is recorded twice.
+    forwards : mapping, optional
+        Module type -> :data:`RecordedForward` for types whose rule needs signals
+        inside the module (attention); their output is replaced by the redone one.
 
     Yields
     ------
@@ -62,10 +74,17 @@ def recorded_calls(modules: Sequence[nn.Module]) -> Iterator[list[LayerCall]]:
 
     """
     calls: list[LayerCall] = []
+    forwards = forwards or {}
 
-    def hook(module: nn.Module, inputs: tuple, kwargs: dict, output: object) -> None:
+    def hook(module: nn.Module, inputs: tuple, kwargs: dict, output: object) -> object:
+        forward = forwards.get(type(module))
+        if forward is not None:
+            call, replaced = forward(module, tuple(inputs), kwargs)
+            calls.append(call)
+            return replaced
         tensors = tuple(_tensors(output))
         calls.append(LayerCall(module, tuple(inputs), tensors[0], kwargs, tensors))
+        return None
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:

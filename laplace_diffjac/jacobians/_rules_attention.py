@@ -1,16 +1,17 @@
-"""Closed-form per-sample Jacobian factors of ``nn.MultiheadAttention``.
+"""Per-sample Jacobian factors of ``nn.MultiheadAttention``, from its projections.
 
 Attention of one sample is ``out = concat_h(softmax(Q_h K_hᵀ s + M) V_h) W_oᵀ + b_o``
-with ``Q = q W_qᵀ + b_q`` (likewise ``K``, ``V``) and ``s = 1/√d``. From the
-signals ``g`` at ``out`` the rule back-propagates by hand through the output
-projection, the softmax and the score product (all batched over the V signals and
-the samples), giving signals at ``Q``, ``K``, ``V``. Every projection is then a
-Linear layer over positions, so its factors are the :class:`Product` and
-:class:`Summed` factors of ``nn.Linear``. The attention weights are recomputed from
-the recorded inputs (cheap next to the model) with differentiable operations, so
-the factors stay connected to the input and the parameters and support double
-backward. ``out_proj`` is not called as a module by PyTorch; its parameters belong
-to this rule.
+with ``Q = q W_qᵀ + b_q`` (likewise ``K``, ``V``) and ``s = 1/√d``: every parameter
+sits in a Linear map over positions. While the engine records the forward pass,
+:func:`recorded_forward` replaces the module's output by the same attention written
+with plain operations, keeping the projections ``Q, K, V`` (one ``(B, T, 3E)``
+tensor for self-attention) and the merged heads ``H`` as tensors. The engine's one
+batched backward then delivers signals at the output and at the projections (it
+goes through the softmax anyway to reach the layers below), and the factors are
+those of ``nn.Linear``: :class:`Product` and :class:`Summed`. No backward through
+the softmax is written by hand or run twice, and the factors stay connected to the
+input and the parameters. ``out_proj`` is not called as a module by PyTorch; its
+parameters belong to this rule.
 """
 
 from __future__ import annotations
@@ -37,19 +38,66 @@ def unsupported_reason(module: nn.MultiheadAttention) -> str | None:
     return None
 
 
+def recorded_forward(
+    module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[LayerCall, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The attention of ``module(*args, **kwargs)`` with its projections kept.
+
+    Parameters
+    ----------
+    module : torch.nn.MultiheadAttention
+        The module (supported configuration, see :func:`unsupported_reason`).
+    args, kwargs
+        The arguments of its call.
+
+    Returns
+    -------
+    call : LayerCall
+        ``inputs`` ``(q, k, v, H)`` batch first, ``(B, T, ·)``; ``outputs``
+        ``(out, *projections, [weights])``: the output ``(B, T, E)``, the
+        projections ``(B, T, 3E)`` (self-attention) or ``Q, K, V``, and the
+        returned attention weights if any.
+    output : tuple
+        ``(attn_output, attn_weights)`` as ``module.forward`` returns them.
+
+    Raises
+    ------
+    UnsupportedModuleError
+        If the inputs are unbatched.
+
+    """
+    m: nn.MultiheadAttention = module  # type: ignore[assignment]
+    q_in, k_in, v_in, mask, args_ = _batch_first_inputs(m, args, kwargs)
+    projections = _projections(m, q_in, k_in, v_in)
+    E, heads = m.embed_dim, m.num_heads
+    qkv = projections[0].split(E, -1) if len(projections) == 1 else projections
+    Q, K, Vv = (_split(t, heads) for t in qkv)
+    scores = Q @ K.transpose(-1, -2) * (1.0 / math.sqrt(m.head_dim)) + mask
+    A = torch.softmax(scores, dim=-1)  # (B, h, T, S)
+    H = _merge(A @ Vv)  # (B, T, E)
+    out = nn.functional.linear(H, m.out_proj.weight, m.out_proj.bias)
+    weights = None
+    if args_["need_weights"]:
+        weights = A.mean(1) if args_["average_attn_weights"] else A
+    targets = (out, *projections, *(() if weights is None else (weights,)))
+    call = LayerCall(
+        m, (q_in, k_in, v_in, H), out, {"n_proj": len(projections)}, targets
+    )
+    return call, (out if m.batch_first else out.transpose(0, 1), weights)
+
+
 def attention_factors(
     call: LayerCall, grads: tuple[torch.Tensor | None, ...], wanted: set[int]
 ) -> list[tuple[int, Factors]]:
-    """Factors of ``nn.MultiheadAttention`` for signals at its output.
+    """Factors of ``nn.MultiheadAttention`` from signals at its output and projections.
 
     Parameters
     ----------
     call : LayerCall
-        The recorded call (query, key, value and masks, positional or keyword).
+        A call recorded by :func:`recorded_forward`.
     grads : tuple
-        ``(g_out, g_weights)``: ``g_out`` ``(V, batch, T, E)`` (``(V, T, batch, E)``
-        unless ``batch_first``); ``g_weights`` must be ``None`` (attention weights
-        that influence the output are not supported).
+        Signals ``(V, B, T, ·)`` at ``call.outputs``: output, projections and the
+        attention weights (whose signals must be ``None``).
     wanted : set of int
         ``id`` of the parameters of interest.
 
@@ -62,41 +110,55 @@ def attention_factors(
     Raises
     ------
     UnsupportedModuleError
-        If the returned attention weights influence the model output, or the
-        inputs are unbatched.
+        If the returned attention weights influence the model output.
 
     """
     m: nn.MultiheadAttention = call.module  # type: ignore[assignment]
-    if any(g is not None for g in grads[1:]):
+    q_in, k_in, v_in, H = call.inputs
+    n_proj = call.kwargs["n_proj"]
+    if len(grads) > 1 + n_proj and grads[1 + n_proj] is not None:
         raise UnsupportedModuleError(
             "The attention weights returned by MultiheadAttention influence the "
             "model output; per-sample Jacobians through them are not supported by "
             "the BackPACK backends (use laplace_diffjac.DiffFuncGGN)."
         )
-    q_in, k_in, v_in, mask = _batch_first_inputs(m, call)
-    g = grads[0]
-    assert g is not None
-    g = g if m.batch_first else g.transpose(1, 2)  # (V, B, T, E)
-    Q, K, Vv = _projections(m, q_in, k_in, v_in)
-    heads, scale = m.num_heads, 1.0 / math.sqrt(m.head_dim)
-    A = torch.softmax(Q @ K.transpose(-1, -2) * scale + mask, dim=-1)  # B,h,T,S
-    H = _merge(A @ Vv)  # (B, T, E)
     blocks: list[tuple[int, Factors]] = []
+    g = grads[0]
     w_o, b_o = m.out_proj.weight, m.out_proj.bias
-    if id(w_o) in wanted:
+    if g is not None and id(w_o) in wanted:
         blocks.append((id(w_o), Product(_rows(g), H)))
-    if b_o is not None and id(b_o) in wanted:
+    if g is not None and b_o is not None and id(b_o) in wanted:
         blocks.append((id(b_o), Summed(g.transpose(2, 3))))
-    g_h = _split(g @ w_o, heads)  # (V, B, h, T, d)
-    g_a = g_h @ Vv.transpose(-1, -2).unsqueeze(0)
-    g_v = A.transpose(-1, -2).unsqueeze(0) @ g_h
-    g_s = A * (g_a - (g_a * A).sum(-1, keepdim=True)) * scale
-    g_q = _merge(g_s @ K.unsqueeze(0))
-    g_k = _merge(g_s.transpose(-1, -2) @ Q.unsqueeze(0))
-    blocks += _input_projection_factors(
-        m, (g_q, g_k, _merge(g_v)), (q_in, k_in, v_in), wanted
-    )
+    if g is None:
+        return blocks
+    gs = [
+        _zeros_if_none(t, like, g.shape[0])
+        for t, like in zip(grads[1 : 1 + n_proj], call.outputs[1:])
+    ]
+    if n_proj == 1:  # self-attention, packed weights: one Linear (E -> 3E)
+        blocks += _packed_factors(m, gs[0], q_in, wanted)
+    else:
+        blocks += _input_projection_factors(m, tuple(gs), (q_in, k_in, v_in), wanted)
     return blocks
+
+
+def _packed_factors(
+    m: nn.MultiheadAttention, g: torch.Tensor, x: torch.Tensor, wanted: set[int]
+) -> list[tuple[int, Factors]]:
+    """Factors of the packed projection from signals ``(V, B, T, 3E)`` at it."""
+    blocks: list[tuple[int, Factors]] = []
+    if id(m.in_proj_weight) in wanted:
+        blocks.append((id(m.in_proj_weight), Product(_rows(g), x)))
+    if m.in_proj_bias is not None and id(m.in_proj_bias) in wanted:
+        blocks.append((id(m.in_proj_bias), Summed(g.transpose(2, 3))))
+    return blocks
+
+
+def _zeros_if_none(
+    g: torch.Tensor | None, like: torch.Tensor, n_rows: int
+) -> torch.Tensor:
+    """A signal that did not reach a projection as zeros ``(V, *like.shape)``."""
+    return like.new_zeros(()).expand(n_rows, *like.shape) if g is None else g
 
 
 def _input_projection_factors(
@@ -118,26 +180,39 @@ def _input_projection_factors(
         return blocks
     if id(m.in_proj_weight) not in wanted:
         return blocks
-    q_in, k_in, v_in = inputs
-    if q_in is k_in and k_in is v_in:  # self-attention: one product
-        factor = Product(_rows(torch.cat(gs, dim=-1)), q_in)
-    else:  # block-diagonal over (query, key, value) positions
-        rows = [_rows(g) for g in gs]  # (B, V, E, T_i)
-        sizes = [r.shape[3] for r in rows]
-        padded = [
-            nn.functional.pad(r, (sum(sizes[:i]), sum(sizes[i + 1 :])))
-            for i, r in enumerate(rows)
-        ]
-        factor = Product(torch.cat(padded, dim=2), torch.cat(inputs, dim=1))
+    # block-diagonal over (query, key, value) positions
+    rows = [_rows(g) for g in gs]  # (B, V, E, T_i)
+    sizes = [r.shape[3] for r in rows]
+    padded = [
+        nn.functional.pad(r, (sum(sizes[:i]), sum(sizes[i + 1 :])))
+        for i, r in enumerate(rows)
+    ]
+    factor = Product(torch.cat(padded, dim=2), torch.cat(inputs, dim=1))
     blocks.append((id(m.in_proj_weight), factor))
     return blocks
 
 
 def _batch_first_inputs(
-    m: nn.MultiheadAttention, call: LayerCall
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Query, key, value ``(B, T, ·)`` and the additive mask ``(B|1, h|1, T, S)``."""
-    bound = _SIGNATURE.bind(m, *call.inputs, **call.kwargs)
+    m: nn.MultiheadAttention, call_args: tuple, call_kwargs: dict
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Inputs of a call, batch first, with its additive mask.
+
+    Returns
+    -------
+    q, k, v : torch.Tensor
+        ``(B, T, ·)``; ``k`` and ``v`` are ``q`` itself for self-attention.
+    mask : torch.Tensor
+        Additive mask ``(B|1, h|1, T, S)``.
+    args : dict
+        Every argument of the call by name, defaults filled in.
+
+    Raises
+    ------
+    UnsupportedModuleError
+        If the inputs are unbatched (2-D).
+
+    """
+    bound = _SIGNATURE.bind(m, *call_args, **call_kwargs)
     bound.apply_defaults()
     args = bound.arguments
     q, k, v = args["query"], args["key"], args["value"]
@@ -162,7 +237,7 @@ def _batch_first_inputs(
     padding = args["key_padding_mask"]
     if padding is not None:
         mask = mask + _additive(padding, q.dtype).view(batch, 1, 1, n_k)
-    return q, k, v, mask
+    return q, k, v, mask, args
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -176,8 +251,18 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _projections(
     m: nn.MultiheadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Projected query, key and value, split into heads ``(B, h, T, d)``."""
+) -> tuple[torch.Tensor, ...]:
+    """Projected query, key and value.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``Q, K, V`` ``(B, T, E)``; one ``(B, T, 3E)`` tensor for self-attention
+        with the packed ``in_proj_weight``.
+
+    """
+    if m.in_proj_weight is not None and q is k and k is v:
+        return (nn.functional.linear(q, m.in_proj_weight, m.in_proj_bias),)
     E = m.embed_dim
     if m.in_proj_weight is not None:
         w_q, w_k, w_v = m.in_proj_weight.split(E)
@@ -185,8 +270,8 @@ def _projections(
         w_q, w_k, w_v = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
     b = m.in_proj_bias
     b_q, b_k, b_v = (None, None, None) if b is None else b.split(E)
-    return tuple(  # type: ignore[return-value]
-        _split(nn.functional.linear(t, w, bias), m.num_heads)
+    return tuple(
+        nn.functional.linear(t, w, bias)
         for t, w, bias in ((q, w_q, b_q), (k, w_k, b_k), (v, w_v, b_v))
     )
 
