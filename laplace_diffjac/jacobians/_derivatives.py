@@ -277,7 +277,7 @@ def _batch_first(g: torch.Tensor) -> torch.Tensor:
 
 
 def _has_closed_form_conv(module: nn.Module) -> bool:
-    return (
+    return bool(
         type(module) in (nn.Conv1d, nn.Conv2d)
         and module.groups == 1
         and module.padding_mode == "zeros"

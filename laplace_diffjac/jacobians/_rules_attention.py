@@ -138,7 +138,10 @@ def attention_factors(
     if n_proj == 1:  # self-attention, packed weights: one Linear (E -> 3E)
         blocks += _packed_factors(m, gs[0], q_in, wanted)
     else:
-        blocks += _input_projection_factors(m, tuple(gs), (q_in, k_in, v_in), wanted)
+        g_q, g_k, g_v = gs  # separate q, k, v projections
+        blocks += _input_projection_factors(
+            m, (g_q, g_k, g_v), (q_in, k_in, v_in), wanted
+        )
     return blocks
 
 

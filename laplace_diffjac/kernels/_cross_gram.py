@@ -12,11 +12,13 @@ product per layer).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._products import layer_scale, scaled_gram_sum
 from ._structured_features import NTKFeatures, feature_gram
 
 __all__ = ["cross_feature_gram"]
@@ -61,15 +63,6 @@ def cross_feature_gram(
     )
 
 
-def _scale(
-    a1: torch.Tensor, a2: torch.Tensor, weight: bool, bias: bool
-) -> torch.Tensor:
-    if not weight:
-        return a1.new_ones(a1.shape[0], a2.shape[0])
-    s = a1 @ a2.T
-    return s + 1.0 if bias else s
-
-
 class _CrossGram(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -78,30 +71,18 @@ class _CrossGram(torch.autograd.Function):
         weight, bias, identity, c = meta
         a1s, g1s, a2s, g2s = (tensors[i * k : (i + 1) * k] for i in range(4))
         n1, n2 = a1s[0].shape[0], a2s[0].shape[0]
-        kernel: torch.Tensor | None = None
-        grams: list[torch.Tensor | None] = []
-        diagonal = []
-        for a1, g1, a2, g2, w, b, eye in zip(
-            a1s, g1s, a2s, g2s, weight, bias, identity
-        ):
-            scale = _scale(a1, a2, w, b) * factor
-            if eye:
-                diagonal.append(scale)
-                grams.append(None)
-                continue
-            gram = (g1.reshape(n1 * c, -1) @ g2.reshape(n2 * c, -1).T).view(
-                n1, c, n2, c
-            )
-            scale = scale[:, None, :, None]
-            if kernel is None:
-                kernel = gram * scale
-            else:
-                kernel.addcmul_(scale, gram)
-            grams.append(gram)
-        if kernel is None:
-            kernel = a1s[0].new_zeros((n1, c, n2, c))
-        for scale in diagonal:
-            kernel.diagonal(dim1=1, dim2=3).add_(scale[:, :, None])
+
+        def terms() -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+            layers = zip(a1s, g1s, a2s, g2s, weight, bias, identity)
+            for a1, g1, a2, g2, w, b, eye in layers:
+                scale = layer_scale(a1, a2, w, b) * factor
+                if eye:
+                    yield scale, None
+                else:
+                    g1_flat, g2_flat = g1.reshape(n1 * c, -1), g2.reshape(n2 * c, -1)
+                    yield scale, (g1_flat @ g2_flat.T).view(n1, c, n2, c)
+
+        kernel, grams = scaled_gram_sum(terms(), (n1, c, n2, c), a1s[0])
         ctx.meta, ctx.k, ctx.grams = meta, k, grams
         ctx.save_for_backward(factor, *tensors)
         return kernel.reshape(n1 * c, n2 * c)
@@ -123,7 +104,7 @@ class _CrossGram(torch.autograd.Function):
                 grad_scale = G.diagonal(dim1=1, dim2=3).sum(-1)
                 grads_g.append(None)
             else:
-                scale = _scale(a1, a2, w, b) * factor
+                scale = layer_scale(a1, a2, w, b) * factor
                 T = (G * scale[:, None, :, None]).reshape(n1 * c, n2 * c)
                 g_T = torch.mm(g2.reshape(n2 * c, -1).T, T.T)  # (T g2)ᵀ
                 grads_g.append(g_T.T.reshape(g1.shape))

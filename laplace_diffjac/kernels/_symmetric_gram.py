@@ -11,12 +11,13 @@ the structured route after the Cholesky factorisation.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._products import symmetric_product
+from ._products import layer_scale, scaled_gram_sum, symmetric_product
 from ._structured_features import NTKFeatures
 
 __all__ = ["symmetric_feature_gram"]
@@ -50,13 +51,6 @@ def symmetric_feature_gram(
     return _SymmetricGram.apply(meta, factor, len(f.inputs), *f.inputs, *signals)
 
 
-def _scale(a: torch.Tensor, weight: bool, bias: bool) -> torch.Tensor:
-    if not weight:
-        return a.new_ones(a.shape[0], a.shape[0])
-    s = a @ a.T
-    return s + 1.0 if bias else s
-
-
 class _SymmetricGram(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -65,27 +59,17 @@ class _SymmetricGram(torch.autograd.Function):
         weight, bias, identity, c = meta
         inputs, signals = tensors[:k], tensors[k:]
         n = inputs[0].shape[0]
-        kernel: torch.Tensor | None = None
-        grams: list[torch.Tensor | None] = []
-        diagonal = []
-        for a, g, w, b, eye in zip(inputs, signals, weight, bias, identity):
-            scale = _scale(a, w, b) * factor
-            if eye:
-                diagonal.append(scale)
-                grams.append(None)
-                continue
-            g_flat = g.reshape(n * c, -1)
-            gram = symmetric_product(g_flat, g_flat).view(n, c, n, c)
-            scale = scale[:, None, :, None]
-            if kernel is None:
-                kernel = gram * scale
-            else:
-                kernel.addcmul_(scale, gram)
-            grams.append(gram)
-        if kernel is None:
-            kernel = inputs[0].new_zeros((n, c, n, c))
-        for scale in diagonal:
-            kernel.diagonal(dim1=1, dim2=3).add_(scale[:, :, None])
+
+        def terms() -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+            for a, g, w, b, eye in zip(inputs, signals, weight, bias, identity):
+                scale = layer_scale(a, a, w, b) * factor
+                if eye:
+                    yield scale, None
+                else:
+                    g_flat = g.reshape(n * c, -1)
+                    yield scale, symmetric_product(g_flat, g_flat).view(n, c, n, c)
+
+        kernel, grams = scaled_gram_sum(terms(), (n, c, n, c), inputs[0])
         ctx.meta, ctx.k, ctx.grams = meta, k, grams
         ctx.save_for_backward(factor, *tensors)
         return kernel.reshape(n * c, n * c)
@@ -106,7 +90,7 @@ class _SymmetricGram(torch.autograd.Function):
                 grad_scale = G.diagonal(dim1=1, dim2=3).sum(-1)
                 grads_g.append(None)
             else:
-                scale = _scale(a, w, b) * factor
+                scale = layer_scale(a, a, w, b) * factor
                 T = (G * scale[:, None, :, None]).reshape(n * c, n * c)
                 # T is symmetric: (gᵀ T)ᵀ = T g, the faster orientation for BLAS
                 g_T = torch.mm(g.reshape(n * c, -1).T, T).mul_(2)
