@@ -215,7 +215,13 @@ def _full_grid() -> list[dict]:
 
 
 def _cell(value: float, digits: int) -> str:
-    return "–" if value != value else f"{value:.{digits}f}"
+    """``value`` with ``digits`` significant digits, fixed-point when ≥ 10^digits.
+
+    Fixed decimals printed a fast data pass as ``0.00`` on a quick machine.
+    """
+    if value != value:
+        return "–"
+    return f"{value:.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
 
 
 def report(rows: list[dict], folder: pathlib.Path) -> None:
@@ -239,9 +245,9 @@ def report(rows: list[dict], folder: pathlib.Path) -> None:
     for r in sorted(rows, key=lambda r: (order.index(r["job"]), *_key(r), r["n"])):
         lines.append(
             f"| {r['job']} | {r['model']} | {r['m']} | {r['n']:,} | {r['world']} | "
-            f"{_cell(r['step_s'], 4)} | {_cell(r['pass_s'], 2)} | "
-            f"{_cell(r['fit_s'], 2)} | {r['peak_inc_mib']:.1f} | {r['rss_mib']:.0f} | "
-            f"{_malloc(r)} |"
+            f"{_cell(r['step_s'], 4)} | {_cell(r['pass_s'], 3)} | "
+            f"{_cell(r['fit_s'], 3)} | {_cell(r['peak_inc_mib'], 3)} | "
+            f"{r['rss_mib']:.0f} | {_malloc(r)} |"
         )
     (folder / "SCALING.md").write_text("\n".join(lines) + "\n")
     _plot(rows, folder / "scaling.png")
