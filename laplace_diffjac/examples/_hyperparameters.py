@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..context import ContextPosterior, optimize_locations, random_subset
+from ..context import ContextPosterior, random_subset
 from ._problem import Problem
 
 __all__ = ["choose_prior_precision"]
@@ -49,19 +49,7 @@ def choose_prior_precision(
     start = random_subset(
         problem.x, s.evidence_m, torch.Generator().manual_seed(seed + 2)
     )
-    Z = optimize_locations(
-        problem.model,
-        s.task,
-        (problem.x, problem.y),
-        s.evidence_m,
-        init=start,
-        steps=s.steps,
-        lr=s.lr,
-        patience=s.patience,
-        seed=seed,
-        progress_bar=progress_bar,
-        sigma_noise=problem.sigma_noise,
-    ).locations
+    Z = problem.optimized_locations(s.evidence_m, start, seed, progress_bar).locations
     cp = ContextPosterior(problem.model, s.task, Z, sigma_noise=problem.sigma_noise)
     cp.fit(problem.loader)
     cp.optimize_prior_precision(method="marglik")

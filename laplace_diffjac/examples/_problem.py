@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ..context import LocationResult, optimize_locations
 from .datasets import make_moons, make_regression_gap
 from .settings import DemoSettings
 from .training import train_mlp
@@ -35,6 +36,45 @@ class Problem:
     @property
     def sigma_noise(self) -> float:
         return self.settings.sigma_noise
+
+    def optimized_locations(
+        self, m: int, init: torch.Tensor, seed: int, progress_bar: bool, **options: Any
+    ) -> LocationResult:
+        """``optimize_locations`` on this problem with the demo's optimiser settings.
+
+        Parameters
+        ----------
+        m : int
+            Number of locations.
+        init : torch.Tensor
+            Starting locations ``(m, D)``.
+        seed : int
+            Seed of the minibatch order.
+        progress_bar : bool
+            Show the optimiser's progress bar.
+        **options
+            Further keyword arguments of :func:`laplace_diffjac.optimize_locations`.
+
+        Returns
+        -------
+        LocationResult
+
+        """
+        s = self.settings
+        return optimize_locations(
+            self.model,
+            s.task,
+            (self.x, self.y),
+            m,
+            init=init,
+            steps=s.steps,
+            lr=s.lr,
+            patience=s.patience,
+            seed=seed,
+            progress_bar=progress_bar,
+            sigma_noise=self.sigma_noise,
+            **options,
+        )
 
     def nll(self, prediction: Any) -> float:
         """Test NLL of a laplace-torch style prediction (probit for classes)."""

@@ -45,7 +45,6 @@ from ..context import (
     ContextPosterior,
     LocationFunctionalLaplace,
     LocationHistory,
-    optimize_locations,
     random_subset,
 )
 from ._hyperparameters import choose_prior_precision
@@ -171,19 +170,12 @@ def _choose_locations(
     s = problem.settings
     Z_random = random_subset(problem.x, s.m, torch.Generator().manual_seed(seed + 1))
     start = time.perf_counter()
-    opt = optimize_locations(
-        problem.model,
-        s.task,
-        (problem.x, problem.y),
+    opt = problem.optimized_locations(
         s.m,
-        init=Z_random,
-        steps=s.steps,
-        lr=s.lr,
-        patience=s.patience,
-        seed=seed,
-        progress_bar=progress_bar,
+        Z_random,
+        seed,
+        progress_bar,
         evaluate_full=True,
-        sigma_noise=problem.sigma_noise,
         prior_precision=problem.prior_precision,
     )
     result.optimisation_time = time.perf_counter() - start
