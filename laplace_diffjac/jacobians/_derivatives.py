@@ -33,7 +33,12 @@ from ..errors import UnsupportedModuleError
 from . import _rules_attention, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
 from ._layer_calls import LayerCall, RecordedForward
-from ._rules_norm import group_norm_factors, layer_norm_factors
+from ._rules_norm import (
+    group_norm_factors,
+    layer_norm_factors,
+    recorded_group_norm,
+    recorded_layer_norm,
+)
 
 Signals = tuple[Optional[torch.Tensor], ...]
 Rule = Callable[[LayerCall, Signals, set[int]], list[tuple[int, Factors]]]
@@ -52,7 +57,31 @@ RULES: dict[type[nn.Module], Rule] = {
 #: :func:`.layer_calls.recorded_calls`), so that their rule gets signals inside.
 FORWARDS: dict[type[nn.Module], RecordedForward] = {
     nn.MultiheadAttention: _rules_attention.recorded_forward,
+    nn.LayerNorm: recorded_layer_norm,
+    nn.GroupNorm: recorded_group_norm,
 }
+
+
+def rewritten_modules(
+    model: nn.Module, watched: Sequence[nn.Module]
+) -> list[nn.Module]:
+    """Normalisations of ``model`` outside ``watched`` (without wanted parameters).
+
+    Their output is redone with elementary operations while recording (see
+    :mod:`._rules_norm`) so that the Jacobians' higher derivatives through them
+    are right.
+
+    Returns
+    -------
+    list of torch.nn.Module
+
+    """
+    seen = {id(m) for m in watched}
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, (nn.LayerNorm, nn.GroupNorm)) and id(m) not in seen
+    ]
 
 
 class _EmbeddingDerivatives(EmbeddingDerivatives):

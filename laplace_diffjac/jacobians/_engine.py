@@ -30,7 +30,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidInputError
 from ._assembly import assemble
-from ._derivatives import FORWARDS, owning_modules, param_jacobian_factors
+from ._derivatives import (
+    FORWARDS,
+    owning_modules,
+    param_jacobian_factors,
+    rewritten_modules,
+)
 from ._inputs import batch_size, check_model_output, detached
 from ._layer_calls import recorded_calls
 from ._model_guard import preserved_state
@@ -80,7 +85,9 @@ def parameter_jacobians(
     batch = batch_size(x)
     x_in = x if enable_backprop else detached(x)
     with preserved_state(model), torch.enable_grad():
-        with recorded_calls(modules, FORWARDS) as calls, sdpa_kernel([SDPBackend.MATH]):
+        rewritten = rewritten_modules(model, modules)
+        recording = recorded_calls(modules, FORWARDS, rewritten)
+        with recording as calls, sdpa_kernel([SDPBackend.MATH]):
             # the composite attention kernel: batched and double backward work
             f = check_model_output(model(x_in), batch)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)

@@ -56,6 +56,7 @@ RecordedForward = Callable[[nn.Module, tuple, dict], tuple["LayerCall", object]]
 def recorded_calls(
     modules: Sequence[nn.Module],
     forwards: Mapping[type[nn.Module], RecordedForward] | None = None,
+    rewritten: Sequence[nn.Module] = (),
 ) -> Iterator[list[LayerCall]]:
     """Record every call of ``modules`` made inside the ``with`` block.
 
@@ -66,6 +67,10 @@ def recorded_calls(
     forwards : mapping, optional
         Module type -> :data:`RecordedForward` for types whose rule needs signals
         inside the module (attention); their output is replaced by the redone one.
+    rewritten : sequence of torch.nn.Module, optional
+        Further modules (not in ``modules``) whose output is replaced by the one
+        redone by ``forwards`` without recording the call: parameterless
+        normalisations, whose fused kernels have wrong higher derivatives.
 
     Yields
     ------
@@ -86,7 +91,11 @@ def recorded_calls(
         calls.append(LayerCall(module, tuple(inputs), tensors[0], kwargs, tensors))
         return None
 
+    def rewrite(module: nn.Module, inputs: tuple, kwargs: dict, _: object) -> object:
+        return forwards[type(module)](module, tuple(inputs), kwargs)[1]
+
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
+    handles += [m.register_forward_hook(rewrite, with_kwargs=True) for m in rewritten]
     try:
         yield calls
     finally:

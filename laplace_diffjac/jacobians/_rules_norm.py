@@ -2,9 +2,16 @@
 
 Both normalise each sample on its own, ``y = x̂ · w + b`` with ``x̂`` the normalised
 input, so with signals ``g`` at the output the per-sample weight block is
-``Σ_positions g · x̂`` and the bias block ``Σ_positions g``. ``x̂`` is recomputed
-from the recorded input with the functional normalisation (no affine part), which
-is cheap and keeps the factors differentiable with respect to the input.
+``Σ_positions g · x̂`` and the bias block ``Σ_positions g``.
+
+While the engine records the forward pass, :func:`recorded_layer_norm` and
+:func:`recorded_group_norm` redo the normalisation with elementary operations
+(mean, variance, ``rsqrt``) and keep ``x̂``: PyTorch's fused ``layer_norm`` and
+``group_norm`` kernels have wrong higher derivatives (torch 2.14: ``gradgradcheck``
+of ``vmap(jacrev)`` of a Linear–LayerNorm–Linear network fails with respect to the
+first weight, with and without this package), and the Jacobians' derivatives go
+through their double backward. The elementary form is differentiable to every
+order, and the factors reuse the kept ``x̂``.
 """
 
 from __future__ import annotations
@@ -14,6 +21,78 @@ from torch import nn
 
 from ._assembly import Dense, Factors, Summed
 from ._layer_calls import LayerCall
+
+
+def recorded_layer_norm(
+    module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[LayerCall, torch.Tensor]:
+    """``module(*args)`` for an ``nn.LayerNorm``, in elementary operations.
+
+    Parameters
+    ----------
+    module : torch.nn.LayerNorm
+        The module.
+    args, kwargs
+        The arguments of its call (the input ``(batch, *, *normalized_shape)``).
+
+    Returns
+    -------
+    call : LayerCall
+        The call, ``kwargs["x_hat"]`` the normalised input (no affine part).
+    output : torch.Tensor
+        ``x̂ · weight + bias``, equal to the module's output.
+
+    """
+    m: nn.LayerNorm = module  # type: ignore[assignment]
+    (x,) = args
+    dims = tuple(range(-len(m.normalized_shape), 0))
+    x_hat = _normalised(x, dims, m.eps)
+    out = _affine(x_hat, m.weight, m.bias)
+    return LayerCall(m, (x,), out, {"x_hat": x_hat}, (out,)), out
+
+
+def recorded_group_norm(
+    module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[LayerCall, torch.Tensor]:
+    """``module(*args)`` for an ``nn.GroupNorm``, in elementary operations.
+
+    Parameters
+    ----------
+    module : torch.nn.GroupNorm
+        The module.
+    args, kwargs
+        The arguments of its call (the input ``(batch, C, *spatial)``).
+
+    Returns
+    -------
+    call : LayerCall
+        The call, ``kwargs["x_hat"]`` the normalised input ``(batch, C, *spatial)``.
+    output : torch.Tensor
+        Equal to the module's output.
+
+    """
+    m: nn.GroupNorm = module  # type: ignore[assignment]
+    (x,) = args
+    grouped = x.reshape(x.shape[0], m.num_groups, -1)
+    x_hat = _normalised(grouped, (-1,), m.eps).reshape(x.shape)
+    shape = (1, m.num_channels) + (1,) * (x.dim() - 2)
+    weight = None if m.weight is None else m.weight.reshape(shape)
+    bias = None if m.bias is None else m.bias.reshape(shape)
+    out = _affine(x_hat, weight, bias)
+    return LayerCall(m, (x,), out, {"x_hat": x_hat}, (out,)), out
+
+
+def _normalised(x: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:
+    """``(x − mean) / √(var + eps)`` over ``dims`` (biased variance)."""
+    centred = x - x.mean(dims, keepdim=True)
+    return centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+
+
+def _affine(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out = x if weight is None else x * weight
+    return out if bias is None else out + bias
 
 
 def layer_norm_factors(
@@ -44,8 +123,7 @@ def layer_norm_factors(
     blocks: list[tuple[int, Factors]] = []
     g3 = g.reshape(g.shape[0], g.shape[1], -1, n_feat)  # (V, B, T, K)
     if module.weight is not None and id(module.weight) in wanted:
-        x_hat = nn.functional.layer_norm(x, module.normalized_shape, eps=module.eps)
-        x_hat = x_hat.reshape(x.shape[0], -1, n_feat)  # (B, T, K)
+        x_hat = _kept_x_hat(call).reshape(x.shape[0], -1, n_feat)  # (B, T, K)
         block = torch.einsum("vbtk,btk->vbk", g3, x_hat)
         blocks.append((id(module.weight), Dense(block)))
     if module.bias is not None and id(module.bias) in wanted:
@@ -80,11 +158,15 @@ def group_norm_factors(
     g4 = g.reshape(g.shape[0], g.shape[1], module.num_channels, -1)  # (V, B, C, L)
     blocks: list[tuple[int, Factors]] = []
     if module.weight is not None and id(module.weight) in wanted:
-        x_hat = nn.functional.group_norm(x, module.num_groups, eps=module.eps)
-        x_hat = x_hat.reshape(x.shape[0], module.num_channels, -1)  # (B, C, L)
+        x_hat = _kept_x_hat(call).reshape(x.shape[0], module.num_channels, -1)
         blocks.append(
             (id(module.weight), Dense(torch.einsum("vbcl,bcl->vbc", g4, x_hat)))
         )
     if module.bias is not None and id(module.bias) in wanted:
         blocks.append((id(module.bias), Summed(g4)))
     return blocks
+
+
+def _kept_x_hat(call: LayerCall) -> torch.Tensor:
+    """``x̂`` kept by the recorded forward pass."""
+    return call.kwargs["x_hat"]

@@ -155,17 +155,12 @@ def test_gradcheck_transformer_wrt_parameters():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="Known bug, not fixed: the second derivative of the transformer's "
-    "Jacobian with respect to a LayerNorm weight and the attention's in_proj_bias "
-    "(third order in the model) disagrees with finite differences (fast-mode "
-    "gradgradcheck, numerical 0.41 vs analytical -1.06); J and its first "
-    "derivatives are right (gradcheck above, torch.func references to 1e-10). "
-    "Suspected: batched (vmap) double backward of layer_norm, whose second "
-    "derivatives PyTorch 2.14 also gets wrong under vmap(jacrev).",
-)
 def test_gradgradcheck_transformer_wrt_parameters():
+    """Second derivatives of J in a LayerNorm weight and the attention's bias.
+
+    Third order in the model: this failed while LayerNorm ran PyTorch's fused
+    kernel, whose higher derivatives are wrong (see tests/backends/test_norms.py).
+    """
     case = BY_NAME["transformer-dict"]
     model = case.model()
     backend = DiffBackPackGGN(model, "classification")
