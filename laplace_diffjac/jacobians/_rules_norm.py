@@ -7,10 +7,11 @@ input, so with signals ``g`` at the output the per-sample weight block is
 While the engine records the forward pass, :func:`recorded_layer_norm` and
 :func:`recorded_group_norm` redo the normalisation with elementary operations
 (mean, variance, ``rsqrt``) and keep ``x̂``: PyTorch's fused ``layer_norm`` and
-``group_norm`` kernels have wrong higher derivatives (torch 2.14: ``gradgradcheck``
-of ``vmap(jacrev)`` of a Linear–LayerNorm–Linear network fails with respect to the
-first weight, with and without this package), and the Jacobians' derivatives go
-through their double backward. The elementary form is differentiable to every
+``group_norm`` kernels have wrong third derivatives (their double backward treats
+the saved mean and inverse standard deviation as constants: pytorch/pytorch#175754;
+torch 2.14: ``gradgradcheck`` of ``vmap(jacrev)`` of a Linear–LayerNorm–Linear
+network fails with respect to the first weight), and the Jacobians' derivatives go
+through that double backward. The elementary form is differentiable to every
 order, and the factors reuse the kept ``x̂``.
 """
 

@@ -1,11 +1,11 @@
 """LayerNorm and GroupNorm: Jacobians differentiable to every order.
 
 PyTorch's fused ``layer_norm``/``group_norm`` kernels get the third derivative of
-a network wrong (torch 2.14; the ``torch.func`` reference below fails the same
-check when the model calls them), so the engine redoes both normalisations with
-elementary operations while it records the forward pass. Each check here compares
-against finite differences (``gradgradcheck``) or a float64 ``torch.func``
-reference on a model written with the elementary operations themselves.
+a network wrong (pytorch/pytorch#175754, torch 2.14; the ``torch.func`` reference
+below fails the same check when the model calls them), so the engine redoes both
+normalisations with elementary operations while it records the forward pass.
+Each check here compares against finite differences (``gradgradcheck``) or a
+float64 ``torch.func`` reference.
 """
 
 from __future__ import annotations
