@@ -138,8 +138,8 @@ class _ExplainedTrace(torch.autograd.Function):
         A = torch.linalg.solve_triangular(L.T, V, upper=True)  # K⁻¹ K_zx
         A_lam = _times_blocks(A, lam)
         g_K = g_zx = g_lam = None
-        if ctx.needs_input_grad[0]:
-            g_K = symmetric_product(A, A_lam).mul_(-grad)
+        if ctx.needs_input_grad[0]:  # the factor scaled, not the (MC)² product
+            g_K = symmetric_product(A, A_lam * -grad)
         if ctx.needs_input_grad[1]:
             g_zx = A_lam.mul_(2 * grad)
         if ctx.needs_input_grad[2]:

@@ -98,17 +98,20 @@ class _CrossGram(torch.autograd.Function):
         G = grad.reshape(n1, c, n2, c)
         grads_a: list[torch.Tensor | None] = []
         grads_g: list[torch.Tensor | None] = []
+        work = None  # one (n1, c, n2, c) buffer for every layer's products
         layers = zip(a1s, g1s, a2s, g2s, weight, bias, identity, ctx.grams)
         for a1, g1, a2, g2, w, b, eye, gram in layers:
             if eye:
                 grad_scale = G.diagonal(dim1=1, dim2=3).sum(-1)
                 grads_g.append(None)
             else:
+                work = torch.empty_like(G) if work is None else work
                 scale = layer_scale(a1, a2, w, b) * factor
-                T = (G * scale[:, None, :, None]).reshape(n1 * c, n2 * c)
-                g_T = torch.mm(g2.reshape(n2 * c, -1).T, T.T)  # (T g2)ᵀ
+                T = torch.mul(G, scale[:, None, :, None], out=work)
+                T2 = T.view(n1 * c, n2 * c)
+                g_T = torch.mm(g2.reshape(n2 * c, -1).T, T2.T)  # (T g2)ᵀ
                 grads_g.append(g_T.T.reshape(g1.shape))
-                grad_scale = (G * gram).sum(dim=(1, 3))
+                grad_scale = torch.mul(G, gram, out=work).sum(dim=(1, 3))
             grads_a.append(factor * (grad_scale @ a2) if w else None)
         none = (None,) * (2 * k)
         return (None, None, None, *grads_a, *grads_g, *none)

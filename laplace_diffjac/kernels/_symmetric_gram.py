@@ -84,17 +84,19 @@ class _SymmetricGram(torch.autograd.Function):
         G = grad.reshape(n, c, n, c)
         grads_a: list[torch.Tensor | None] = []
         grads_g: list[torch.Tensor | None] = []
+        work = None  # one (n, c, n, c) buffer for every layer's products
         layers = zip(inputs, signals, weight, bias, identity, ctx.grams)
         for a, g, w, b, eye, gram in layers:
             if eye:
                 grad_scale = G.diagonal(dim1=1, dim2=3).sum(-1)
                 grads_g.append(None)
             else:
+                work = torch.empty_like(G) if work is None else work
                 scale = layer_scale(a, a, w, b) * factor
-                T = (G * scale[:, None, :, None]).reshape(n * c, n * c)
+                T = torch.mul(G, scale[:, None, :, None], out=work)
                 # T is symmetric: (gᵀ T)ᵀ = T g, the faster orientation for BLAS
-                g_T = torch.mm(g.reshape(n * c, -1).T, T).mul_(2)
+                g_T = torch.mm(g.reshape(n * c, -1).T, T.view(n * c, n * c)).mul_(2)
                 grads_g.append(g_T.T.reshape(g.shape))
-                grad_scale = (G * gram).sum(dim=(1, 3))
+                grad_scale = torch.mul(G, gram, out=work).sum(dim=(1, 3))
             grads_a.append(2 * factor * (grad_scale @ a) if w else None)
         return (None, None, None, *grads_a, *grads_g)
