@@ -20,6 +20,7 @@ from .published import SFR_DIGITS, SFR_DIGITS_STD, SFR_PROTOCOL_NOTE  # noqa: E4
 __all__ = ["aggregate", "write_report"]
 
 METRICS = (
+    "delta",
     "nlpd",
     "accuracy",
     "rmse",
@@ -85,6 +86,8 @@ def _cell(agg: dict, key: str) -> str:
     if key not in agg:
         return "–"
     mean, std = agg[key]
+    if key == "delta":  # from 1e-2 to 1e6: significant digits
+        return f"{mean:.3g} ± {std:.2g}"
     return f"{mean:.3f} ± {std:.3f}"
 
 
@@ -112,15 +115,15 @@ def _detail_table(aggs: list[dict], task: str) -> list[str]:
     keys += ["log_var_error", "share_below", "fit_s", "search_s", "predict_s"]
     keys += ["fit_cpu_s", "search_cpu_s"]
     lines = [
-        "| method | M | δ chosen by | " + " | ".join(keys) + " | errors |",
-        "|---" * (len(keys) + 4) + "|",
+        "| method | M | δ chosen by | δ | " + " | ".join(keys) + " | errors |",
+        "|---" * (len(keys) + 5) + "|",
     ]
     order = list(dict.fromkeys(a["method"] for a in aggs))
     aggs = sorted(aggs, key=lambda a: (order.index(a["method"]), a["fraction"] or 0))
     for a in aggs:
         m = sorted({v for v in a["m"] if v is not None})
         ms = "–" if not m else "/".join(map(str, m))
-        cells = " | ".join(_cell(a, k) for k in keys)
+        cells = " | ".join(_cell(a, k) for k in ("delta", *keys))
         sel = ", ".join(a["selection"])
         lines.append(f"| {a['method']} | {ms} | {sel} | {cells} | {len(a['errors'])} |")
     return lines
