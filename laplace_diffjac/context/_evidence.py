@@ -37,6 +37,7 @@ and ``T``) and, through :func:`evidence_objective`, in the locations.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
@@ -117,12 +118,21 @@ def dtc_factor(
     return L, 0.5 * (A + A.mT)
 
 
+class Spectrum(Protocol):
+    """``log det(I + A)`` and ``tr A`` for any ``(s, h)`` (one prior group)."""
+
+    def log_det_and_trace(
+        self, s: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def evidence_terms(
     acc: Accumulators,
     s: torch.Tensor,
     prior_var: torch.Tensor,
     h: torch.Tensor,
     jitter: float,
+    spectrum: Spectrum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``log det(I + A)`` and the trace correction ``Σₙ tr(Λₙ (kₙₙ − Qₙₙ))``.
 
@@ -138,6 +148,9 @@ def evidence_terms(
         ``()`` likelihood factor ``1 / (σ² T)``.
     jitter : float
         Relative jitter of ``K_ZZ``.
+    spectrum : Spectrum, optional
+        Eigenvalues of the one-group whitened matrix
+        (:class:`._factor_cache.ScalarSpectrum`): no factorisation here.
 
     Returns
     -------
@@ -150,9 +163,12 @@ def evidence_terms(
         If rounding made ``I + A`` indefinite (see :func:`log_det_eye_plus`).
 
     """
-    _, A = dtc_factor(acc, s, h, jitter)
-    log_det = log_det_eye_plus(A, jitter)
-    trace = h * (prior_var.to(torch.float64) * acc.ggn_diag).sum() - A.diagonal().sum()
+    if spectrum is not None:
+        log_det, trace_A = spectrum.log_det_and_trace(s, h)
+    else:
+        _, A = dtc_factor(acc, s, h, jitter)
+        log_det, trace_A = log_det_eye_plus(A, jitter), A.diagonal().sum()
+    trace = h * (prior_var.to(torch.float64) * acc.ggn_diag).sum() - trace_A
     return log_det, trace
 
 

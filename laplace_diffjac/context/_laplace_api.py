@@ -19,6 +19,7 @@ from ..backends import JacobianBackend
 from ..kernels import n_jacobian_columns
 from . import _tuning
 from ._evidence import evidence_terms, log_likelihood
+from ._factor_cache import FactorCache
 from ._hyperparameters import (
     PriorGroups,
     check_prior_precision,
@@ -54,7 +55,7 @@ class LaplaceInterface:
     _layer_sizes: list[int]
     _acc: Accumulators | None
     _groups: PriorGroups | None
-    _W: torch.Tensor | None
+    _factors: FactorCache
     _structure_request: str | None
 
     @property
@@ -183,7 +184,8 @@ class LaplaceInterface:
         """
         acc, _ = self._fitted()
         s, prior_var, h = self._scales()
-        log_det, trace = evidence_terms(acc, s, prior_var, h, self.jitter)
+        spectrum = self._factors.evidence_spectrum(acc, s, h, self.jitter)
+        log_det, trace = evidence_terms(acc, s, prior_var, h, self.jitter, spectrum)
         return log_det + trace
 
     def log_marginal_likelihood(
@@ -392,4 +394,4 @@ class LaplaceInterface:
             self.n_layers,
         )
         self._acc = Accumulators.from_state(state_dict["accumulators"])
-        self._W = None
+        self._factors.clear()

@@ -28,7 +28,7 @@ from ..kernels import PriorPrecision, flat_gram, jacobians
 from ._data import Data
 from ._data_pass import accumulate, check_data, model_jacobians
 from ._distributed import is_distributed
-from ._evidence import dtc_factor
+from ._factor_cache import FactorCache
 from ._hyperparameters import PriorGroups, infer_structure
 from ._laplace_api import LaplaceInterface, layer_sizes
 from ._predictive import gaussian_samples, link_probabilities
@@ -127,8 +127,7 @@ class ContextPosterior(LaplaceInterface):
         self.batch_size = batch_size
         self._acc: Accumulators | None = None
         self._groups: PriorGroups | None = None
-        self._W: torch.Tensor | None = None
-        self._W_key: tuple | None = None
+        self._factors = FactorCache()
 
     def fit(self, train_loader: Data, progress_bar: bool = False) -> ContextPosterior:
         """Accumulate the data's sums (``K_ZX Λ K_XZ``, GGN diagonal, loss).
@@ -174,7 +173,8 @@ class ContextPosterior(LaplaceInterface):
                 "train_loader yielded no training points (on any rank); pass the "
                 "training data."
             )
-        self._acc, self._groups, self._W = acc, groups, None
+        self._acc, self._groups = acc, groups
+        self._factors.clear()
         return self
 
     def update(
@@ -215,23 +215,13 @@ class ContextPosterior(LaplaceInterface):
         accumulate(self, new, groups, data, progress_bar=False)
         reduce_accumulators(new)  # only the new sums: the old ones are reduced
         acc.merge(new)
-        self._W = None
+        self._factors.clear()
         return self
 
     def _factor(self) -> torch.Tensor:
         acc, _ = self._fitted()
         s, _, h = self._scales()
-        key = (tuple(s.detach().tolist()), float(h))
-        if self._W is not None and self._W_key == key:
-            return self._W
-        L, A = dtc_factor(acc, s.detach(), h.detach(), self.jitter)
-        ev, U = torch.linalg.eigh(A)
-        ev = ev.clamp_min(0)
-        W = torch.linalg.solve_triangular(
-            L.T, U * torch.sqrt(ev / (1 + ev)), upper=True
-        )
-        self._W, self._W_key = W, key
-        return W
+        return self._factors.prediction_factor(acc, s, h, self.jitter)
 
     def _kernel_prior_var(self) -> torch.Tensor:
         """``Σ₀`` for test kernels: ``()`` if scalar-structured, else ``(P,)``."""
