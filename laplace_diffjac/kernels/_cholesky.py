@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._lapack import cholesky_in_place, solve_lower, solve_lower_transposed
 from ._products import symmetric_product
 
 __all__ = ["explained_trace", "jittered_cholesky"]
@@ -115,31 +116,46 @@ def explained_trace(
             f"Shapes do not fit: K_zz {tuple(K_zz.shape)}, K_zx {tuple(K_zx.shape)}, "
             f"hessians {tuple(hessians.shape)}; need (n, n), (n, b C), (b, C, C)."
         )
-    K = _jittered(K_zz, jitter, symmetrise=False)
-    return _ExplainedTrace.apply(K, K_zx, hessians)
+    if jitter < 0:
+        raise ValueError(f"jitter must be non-negative, got {jitter}.")
+    if K_zz.dim() != 2 or K_zz.shape[0] != K_zz.shape[1]:
+        raise ValueError(f"K_zz must be square, got shape {tuple(K_zz.shape)}.")
+    return _ExplainedTrace.apply(K_zz, K_zx, hessians, jitter)
 
 
 class _ExplainedTrace(torch.autograd.Function):
-    """``Σ V ⊙ (V Λ)``, ``V = L⁻¹ K_zx``, with the analytic backward pass."""
+    """``Σ V ⊙ (V Λ)``, ``V = L⁻¹ K_zx``, with the analytic backward pass.
+
+    The jittered copy of ``K_zz`` is made here and factorised in place
+    (:mod:`._lapack`); the jitter's own dependence on ``diag K_zz`` is added to
+    the gradient: ``∂ε/∂K_ii = jitter / n``.
+    """
 
     @staticmethod
     def forward(
-        ctx: Any, K: torch.Tensor, K_zx: torch.Tensor, lam: torch.Tensor
+        ctx: Any,
+        K_zz: torch.Tensor,
+        K_zx: torch.Tensor,
+        lam: torch.Tensor,
+        jitter: float,
     ) -> torch.Tensor:
+        K = _jittered(K_zz, jitter, symmetrise=False)  # our copy
         L = _cholesky_factor(K)
-        V = torch.linalg.solve_triangular(L, K_zx, upper=False)
+        V = solve_lower(L, K_zx)
         ctx.save_for_backward(L, V, K_zx, lam)
+        ctx.jitter = jitter
         return (V * _times_blocks(V, lam)).sum()
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         L, V, K_zx, lam = ctx.saved_tensors
-        A = torch.linalg.solve_triangular(L.T, V, upper=True)  # K⁻¹ K_zx
+        A = solve_lower_transposed(L, V)  # K⁻¹ K_zx
         A_lam = _times_blocks(A, lam)
         g_K = g_zx = g_lam = None
         if ctx.needs_input_grad[0]:  # the factor scaled, not the (MC)² product
             g_K = symmetric_product(A, A_lam * -grad)
+            g_K.diagonal().add_(ctx.jitter * g_K.diagonal().mean())
         if ctx.needs_input_grad[1]:
             g_zx = A_lam.mul_(2 * grad)
         if ctx.needs_input_grad[2]:
@@ -149,7 +165,7 @@ class _ExplainedTrace(torch.autograd.Function):
                 A.reshape(n, b, C).transpose(0, 1),
             )
             g_lam = grad * X
-        return g_K, g_zx, g_lam
+        return g_K, g_zx, g_lam, None
 
 
 def _times_blocks(V: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
@@ -160,10 +176,10 @@ def _times_blocks(V: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
 
 
 def _cholesky_factor(K: torch.Tensor) -> torch.Tensor:
-    L, info = torch.linalg.cholesky_ex(K)
-    if int(info) != 0:
+    L, info = cholesky_in_place(K)
+    if info != 0:
         raise torch.linalg.LinAlgError(
             "K_zz + jitter is not positive definite (leading minor "
-            f"{int(info)}); increase jitter or move coinciding locations apart."
+            f"{info}); increase jitter or move coinciding locations apart."
         )
     return L

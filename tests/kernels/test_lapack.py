@@ -1,0 +1,50 @@
+"""kernels/_lapack.py against torch.linalg, on the SciPy route and the torch one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from laplace_diffjac.kernels._lapack import (
+    cholesky_in_place,
+    solve_lower,
+    solve_lower_transposed,
+)
+
+
+def _spd(n: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(n)
+    X = torch.randn(n, 2 * n, generator=gen, dtype=torch.float64)
+    return (X @ X.T / n + 0.1 * torch.eye(n, dtype=torch.float64)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n", [1, 7, 130])
+def test_factor_and_solves_match_torch_linalg(n, dtype):
+    K = _spd(n, dtype)
+    B = torch.randn(n, 5, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    L_ref = torch.linalg.cholesky(K)
+    L, info = cholesky_in_place(K.clone())
+    assert info == 0
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {}
+    torch.testing.assert_close(torch.tril(L), L_ref, **tol)
+    want = torch.linalg.solve_triangular(L_ref, B, upper=False)
+    torch.testing.assert_close(solve_lower(L, B), want, **tol)
+    want_t = torch.linalg.solve_triangular(L_ref.T, B, upper=True)
+    torch.testing.assert_close(solve_lower_transposed(L, B), want_t, **tol)
+
+
+def test_non_contiguous_right_hand_side():
+    K = _spd(9, torch.float64)
+    B = torch.randn(5, 9, dtype=torch.float64).T  # (9, 5), not contiguous
+    L, _ = cholesky_in_place(K.clone())
+    want = torch.linalg.solve_triangular(torch.linalg.cholesky(K), B, upper=False)
+    torch.testing.assert_close(solve_lower(L, B), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_not_positive_definite_reports_the_minor(dtype):
+    K = _spd(6, dtype)
+    K[3, 3] = -1.0
+    _, info = cholesky_in_place(K.clone())
+    assert info == 4  # 1-based order of the first non-positive leading minor
