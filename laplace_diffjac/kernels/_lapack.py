@@ -8,8 +8,9 @@ makes around ``potrf`` (into column-major order, then zeroing the upper triangle
 and, on the AMD EPYC machine of ``benchmarks/OPTIMIZER.md``, ran ``potrf`` and
 ``trsm`` at ``n = 1260`` with 640 right-hand sides 1.8× and 1.1–1.5× faster than
 PyTorch's MKL (single thread). Elsewhere (CUDA, other dtypes) ``torch.linalg``
-does the work. SciPy's BLAS has its own thread pool (``OPENBLAS_NUM_THREADS``),
-not ``torch.set_num_threads``.
+does the work. SciPy's BLAS has a thread pool of its own; each call here limits it
+to ``torch.get_num_threads()`` (through ``threadpoolctl``), so
+``torch.set_num_threads`` governs these calls as it governs PyTorch's.
 
 A factor is a square tensor whose *lower triangle* holds ``L``; its strict upper
 triangle is unspecified (SciPy leaves the input there) and never read.
@@ -17,10 +18,25 @@ triangle is unspecified (SciPy leaves the input there) and never read.
 
 from __future__ import annotations
 
+import functools
+from contextlib import AbstractContextManager
+
 import torch
 from scipy.linalg import blas, lapack
+from threadpoolctl import ThreadpoolController
 
 __all__ = ["cholesky_in_place", "solve_lower", "solve_lower_transposed"]
+
+
+@functools.cache
+def _controller() -> ThreadpoolController:
+    """The loaded BLAS libraries (SciPy's is imported above), inspected once."""
+    return ThreadpoolController()
+
+
+def _torch_threads() -> AbstractContextManager:
+    """Context limiting SciPy's BLAS threads to PyTorch's intra-op threads."""
+    return _controller().limit(limits=torch.get_num_threads(), user_api="blas")
 
 
 def _lapack_applies(t: torch.Tensor) -> bool:
@@ -49,7 +65,8 @@ def cholesky_in_place(K: torch.Tensor) -> tuple[torch.Tensor, int]:
         return L, int(info)
     # K is symmetric, so its row-major memory is also K in column-major order:
     # potrf writes L's columns there, i.e. L lies in the lower triangle of K.T
-    _, info = lapack.dpotrf(K.numpy().T, lower=1, overwrite_a=1, clean=0)
+    with _torch_threads():
+        _, info = lapack.dpotrf(K.numpy().T, lower=1, overwrite_a=1, clean=0)
     return K.T, int(info)
 
 
@@ -84,5 +101,7 @@ def _solve(L: torch.Tensor, B: torch.Tensor, transpose: bool) -> torch.Tensor:
     # with Bᵀ in column-major order: solve X op(L)ᵀ... as X Lᵀ = Bᵀ (L⁻¹ B) or
     # X L = Bᵀ (L⁻ᵀ B); X is column-major (k, n), i.e. the row-major result
     Bt = B.contiguous().numpy().T
-    X = blas.dtrsm(1.0, L.numpy(), Bt, side=1, lower=1, trans_a=int(not transpose))
+    with _torch_threads():
+        trans = int(not transpose)
+        X = blas.dtrsm(1.0, L.numpy(), Bt, side=1, lower=1, trans_a=trans)
     return torch.from_numpy(X.T)

@@ -48,3 +48,15 @@ def test_not_positive_definite_reports_the_minor(dtype):
     K[3, 3] = -1.0
     _, info = cholesky_in_place(K.clone())
     assert info == 4  # 1-based order of the first non-positive leading minor
+
+
+def test_scipy_blas_threads_follow_torch():
+    from laplace_diffjac.kernels._lapack import _controller, _torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with _torch_threads():
+            assert {i["num_threads"] for i in _controller().info()} == {1}
+    finally:
+        torch.set_num_threads(before)
