@@ -22,6 +22,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from ..errors import InvalidInputError, UnsupportedModuleError
+from ..jacobians._derivatives import elementary_normalisations
 from ..jacobians._inputs import (
     check_mapping_or_tensor_batch,
     check_model_output,
@@ -141,7 +142,11 @@ class DiffFuncGGN(GGNInterface):
         if not enable_backprop:
             x = _detach(x)
         # functional_call rebinds RNN modules' flat-weight lists: put them back.
-        with torch.set_grad_enabled(enable_backprop), preserved_state(self.model):
+        with (
+            torch.set_grad_enabled(enable_backprop),
+            preserved_state(self.model),
+            elementary_normalisations(self.model),  # right higher derivatives
+        ):
             if _has_recurrent_layers(self.model):
                 with _without_onednn():
                     jac, f = _sample_loop(jac_and_value, params, x, selected, batch)

@@ -13,7 +13,8 @@ for the duration of one call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional, Union, cast
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 from ..errors import UnsupportedModuleError
 from . import _rules_attention, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
-from ._layer_calls import LayerCall, RecordedForward
+from ._layer_calls import LayerCall, RecordedForward, recorded_calls
 from ._rules_norm import (
     group_norm_factors,
     layer_norm_factors,
@@ -82,6 +83,23 @@ def rewritten_modules(
         for m in model.modules()
         if isinstance(m, (nn.LayerNorm, nn.GroupNorm)) and id(m) not in seen
     ]
+
+
+@contextmanager
+def elementary_normalisations(model: nn.Module) -> Iterator[None]:
+    """Inside the block, ``model``'s LayerNorm/GroupNorm run as elementary operations.
+
+    For ``torch.func`` transforms of the model (``DiffFuncGGN``): the fused kernels'
+    higher derivatives are wrong (see :mod:`._rules_norm`). The forward hooks live
+    only inside the block.
+
+    Yields
+    ------
+    None
+
+    """
+    with recorded_calls([], FORWARDS, rewritten_modules(model, [])):
+        yield
 
 
 class _EmbeddingDerivatives(EmbeddingDerivatives):

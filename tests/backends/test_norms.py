@@ -3,7 +3,8 @@
 PyTorch's fused ``layer_norm``/``group_norm`` kernels get the third derivative of
 a network wrong (pytorch/pytorch#175754, torch 2.14; the ``torch.func`` reference
 below fails the same check when the model calls them), so the engine redoes both
-normalisations with elementary operations while it records the forward pass.
+normalisations with elementary operations while it records the forward pass (and
+``DiffFuncGGN`` runs them so inside its ``torch.func`` transforms).
 Each check here compares against finite differences (``gradgradcheck``) or a
 float64 ``torch.func`` reference.
 """
@@ -14,7 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_diffjac import DiffBackPackGGN
+from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN
+
+BACKENDS = [DiffBackPackGGN, DiffFuncGGN]
 
 
 class _Net(nn.Module):
@@ -51,10 +54,11 @@ def _setup(name: str) -> tuple[_Net, torch.Tensor]:
     return model, torch.randn(2, 5, 3, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 @pytest.mark.parametrize("name", list(NORMS))
-def test_second_derivative_of_jacobians_in_upstream_weight(name):
+def test_second_derivative_of_jacobians_in_upstream_weight(name, backend_cls):
     model, x = _setup(name)
-    backend = DiffBackPackGGN(model, "classification")
+    backend = backend_cls(model, "classification")
     leaves = [model.a.weight, *model.norm.parameters()]
 
     def fn(*_):
@@ -64,10 +68,11 @@ def test_second_derivative_of_jacobians_in_upstream_weight(name):
     assert torch.autograd.gradgradcheck(fn, tuple(leaves), fast_mode=True)
 
 
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 @pytest.mark.parametrize("name", list(NORMS))
-def test_second_derivative_of_jacobians_in_the_input(name):
+def test_second_derivative_of_jacobians_in_the_input(name, backend_cls):
     model, x = _setup(name)
-    backend = DiffBackPackGGN(model, "classification")
+    backend = backend_cls(model, "classification")
     x = x.requires_grad_(True)
 
     def fn(inp):
@@ -76,10 +81,11 @@ def test_second_derivative_of_jacobians_in_the_input(name):
     assert torch.autograd.gradgradcheck(fn, (x,), fast_mode=True)
 
 
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 @pytest.mark.parametrize("name", list(NORMS))
-def test_jacobians_match_torch_func(name):
+def test_jacobians_match_torch_func(name, backend_cls):
     model, x = _setup(name)
-    J, f = DiffBackPackGGN(model, "classification").jacobians(x)
+    J, f = backend_cls(model, "classification").jacobians(x)
     params = dict(model.named_parameters())
 
     def one(p, xi):
