@@ -22,13 +22,13 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from ..errors import InvalidInputError, UnsupportedModuleError
-from ..jacobians._derivatives import elementary_normalisations
 from ..jacobians._inputs import (
     check_mapping_or_tensor_batch,
     check_model_output,
 )
 from ..jacobians._last_layer import last_layer_jacobians
 from ..jacobians._model_guard import preserved_state
+from ..jacobians._rules_norm import elementary_normalisations
 from ._kfac import check_kfac_support, kfac_factors
 
 

@@ -13,8 +13,7 @@ for the duration of one call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union, cast
 
 import torch
@@ -33,13 +32,8 @@ from torch import nn
 from ..errors import UnsupportedModuleError
 from . import _rules_attention, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
-from ._layer_calls import LayerCall, RecordedForward, recorded_calls
-from ._rules_norm import (
-    group_norm_factors,
-    layer_norm_factors,
-    recorded_group_norm,
-    recorded_layer_norm,
-)
+from ._layer_calls import LayerCall, RecordedForward
+from ._rules_norm import NORM_FORWARDS, group_norm_factors, layer_norm_factors
 
 Signals = tuple[Optional[torch.Tensor], ...]
 Rule = Callable[[LayerCall, Signals, set[int]], list[tuple[int, Factors]]]
@@ -58,48 +52,8 @@ RULES: dict[type[nn.Module], Rule] = {
 #: :func:`.layer_calls.recorded_calls`), so that their rule gets signals inside.
 FORWARDS: dict[type[nn.Module], RecordedForward] = {
     nn.MultiheadAttention: _rules_attention.recorded_forward,
-    nn.LayerNorm: recorded_layer_norm,
-    nn.GroupNorm: recorded_group_norm,
+    **NORM_FORWARDS,
 }
-
-
-def rewritten_modules(
-    model: nn.Module, watched: Sequence[nn.Module]
-) -> list[nn.Module]:
-    """Normalisations of ``model`` outside ``watched`` (without wanted parameters).
-
-    Their output is redone with elementary operations while recording (see
-    :mod:`._rules_norm`) so that the Jacobians' higher derivatives through them
-    are right.
-
-    Returns
-    -------
-    list of torch.nn.Module
-
-    """
-    seen = {id(m) for m in watched}
-    return [
-        m
-        for m in model.modules()
-        if isinstance(m, (nn.LayerNorm, nn.GroupNorm)) and id(m) not in seen
-    ]
-
-
-@contextmanager
-def elementary_normalisations(model: nn.Module) -> Iterator[None]:
-    """Inside the block, ``model``'s LayerNorm/GroupNorm run as elementary operations.
-
-    For ``torch.func`` transforms of the model (``DiffFuncGGN``): the fused kernels'
-    higher derivatives are wrong (see :mod:`._rules_norm`). The forward hooks live
-    only inside the block.
-
-    Yields
-    ------
-    None
-
-    """
-    with recorded_calls([], FORWARDS, rewritten_modules(model, [])):
-        yield
 
 
 class _EmbeddingDerivatives(EmbeddingDerivatives):

@@ -30,15 +30,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidInputError
 from ._assembly import assemble
-from ._derivatives import (
-    FORWARDS,
-    owning_modules,
-    param_jacobian_factors,
-    rewritten_modules,
-)
+from ._derivatives import FORWARDS, owning_modules, param_jacobian_factors
 from ._inputs import batch_size, check_model_output, detached
 from ._layer_calls import recorded_calls
 from ._model_guard import preserved_state
+from ._rules_norm import rewritten_modules
 from ._warnings import quiet_full_backward_hook_warning
 
 

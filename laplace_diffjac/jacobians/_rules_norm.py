@@ -17,11 +17,14 @@ order, and the factors reuse the kept ``x̂``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 from ._assembly import Dense, Factors, Summed
-from ._layer_calls import LayerCall
+from ._layer_calls import LayerCall, RecordedForward, recorded_calls
 
 
 def recorded_layer_norm(
@@ -94,6 +97,13 @@ def _affine(
 ) -> torch.Tensor:
     out = x if weight is None else x * weight
     return out if bias is None else out + bias
+
+
+#: The normalisations redone while recording (see the module docstring).
+NORM_FORWARDS: dict[type[nn.Module], RecordedForward] = {
+    nn.LayerNorm: recorded_layer_norm,
+    nn.GroupNorm: recorded_group_norm,
+}
 
 
 def layer_norm_factors(
@@ -171,3 +181,41 @@ def group_norm_factors(
 def _kept_x_hat(call: LayerCall) -> torch.Tensor:
     """``x̂`` kept by the recorded forward pass."""
     return call.kwargs["x_hat"]
+
+
+def rewritten_modules(
+    model: nn.Module, watched: Sequence[nn.Module]
+) -> list[nn.Module]:
+    """Normalisations of ``model`` outside ``watched`` (without wanted parameters).
+
+    Their output is redone with elementary operations while recording, so that
+    the Jacobians' higher derivatives through them are right.
+
+    Returns
+    -------
+    list of torch.nn.Module
+
+    """
+    seen = {id(m) for m in watched}
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, (nn.LayerNorm, nn.GroupNorm)) and id(m) not in seen
+    ]
+
+
+@contextmanager
+def elementary_normalisations(model: nn.Module) -> Iterator[None]:
+    """Inside the block, ``model``'s LayerNorm/GroupNorm run as elementary operations.
+
+    For ``torch.func`` transforms of the model (``DiffFuncGGN``): the fused kernels'
+    higher derivatives are wrong (module docstring). The forward hooks live
+    only inside the block.
+
+    Yields
+    ------
+    None
+
+    """
+    with recorded_calls([], NORM_FORWARDS, rewritten_modules(model, [])):
+        yield
