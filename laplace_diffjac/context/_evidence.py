@@ -37,7 +37,7 @@ and ``T``) and, through :func:`evidence_objective`, in the locations.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 
@@ -78,13 +78,25 @@ def log_det_eye_plus(A: torch.Tensor, jitter: float) -> torch.Tensor:
     eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
     chol, info = torch.linalg.cholesky_ex(eye + A)
     if bool(info.detach().ne(0).any()):
-        raise torch.linalg.LinAlgError(
-            f"The evidence bound lost positive definiteness to rounding (jitter="
-            f"{jitter:g}): its M·C = {A.shape[0]} location outputs exceed the "
-            "numerical rank of the kernel at this prior precision and noise. Pass "
-            "a larger jitter (e.g. jitter=1e-6) or use fewer locations."
-        )
+        raise_rank_error(A.shape[0], jitter)
     return 2 * chol.diagonal().log().sum()
+
+
+def raise_rank_error(n: int, jitter: float) -> NoReturn:
+    """Raise the error for an ``I + A`` that rounding made indefinite (``n = MC``).
+
+    Raises
+    ------
+    torch.linalg.LinAlgError
+        Always, naming the fix: a larger ``jitter`` or fewer locations.
+
+    """
+    raise torch.linalg.LinAlgError(
+        f"The evidence bound lost positive definiteness to rounding (jitter="
+        f"{jitter:g}): its M·C = {n} location outputs exceed the "
+        "numerical rank of the kernel at this prior precision and noise. Pass "
+        "a larger jitter (e.g. jitter=1e-6) or use fewer locations."
+    )
 
 
 def dtc_factor(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._evidence import dtc_factor, log_det_eye_plus
+from ._evidence import dtc_factor, raise_rank_error
 from ._state import Accumulators
 
 __all__ = ["FactorCache", "ScalarSpectrum"]
@@ -73,13 +73,12 @@ class ScalarSpectrum:
         ------
         torch.linalg.LinAlgError
             If ``I + A`` is not positive definite (rounding past the kernel's
-            numerical rank), with the message of
-            :func:`._evidence.log_det_eye_plus`.
+            numerical rank), with the message of :func:`._evidence.raise_rank_error`.
 
         """
         e = s.reshape(()) * h * self.alpha
         if bool((1 + e.detach()).le(0).any()):
-            log_det_eye_plus(torch.diag(e.detach()), self.jitter)  # raises
+            raise_rank_error(int(e.shape[0]), self.jitter)
         return torch.log1p(e).sum(), e.sum()
 
     def factor(self, s: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -57,15 +57,19 @@ def jittered_cholesky(K: torch.Tensor, jitter: float) -> torch.Tensor:
 
 def _jittered(K: torch.Tensor, jitter: float, symmetrise: bool = True) -> torch.Tensor:
     """``½ (K + Kᵀ) + ε I`` (or ``K + ε I``), ``ε = jitter · mean(diag K)``."""
-    if jitter < 0:
-        raise ValueError(f"jitter must be non-negative, got {jitter}.")
-    if K.dim() != 2 or K.shape[0] != K.shape[1]:
-        raise ValueError(f"K must be a square matrix, got shape {tuple(K.shape)}.")
+    _check_square_and_jitter(K, jitter)
     K = 0.5 * (K + K.T) if symmetrise else K.clone()
     tiny = torch.finfo(K.dtype).tiny
     scale = jitter * K.diagonal().mean().clamp_min(tiny)
     K.diagonal().add_(scale)
     return K
+
+
+def _check_square_and_jitter(K: torch.Tensor, jitter: float) -> None:
+    if jitter < 0:
+        raise ValueError(f"jitter must be non-negative, got {jitter}.")
+    if K.dim() != 2 or K.shape[0] != K.shape[1]:
+        raise ValueError(f"K must be a square matrix, got shape {tuple(K.shape)}.")
 
 
 def explained_trace(
@@ -116,10 +120,7 @@ def explained_trace(
             f"Shapes do not fit: K_zz {tuple(K_zz.shape)}, K_zx {tuple(K_zx.shape)}, "
             f"hessians {tuple(hessians.shape)}; need (n, n), (n, b C), (b, C, C)."
         )
-    if jitter < 0:
-        raise ValueError(f"jitter must be non-negative, got {jitter}.")
-    if K_zz.dim() != 2 or K_zz.shape[0] != K_zz.shape[1]:
-        raise ValueError(f"K_zz must be square, got shape {tuple(K_zz.shape)}.")
+    _check_square_and_jitter(K_zz, jitter)  # before any work
     return _ExplainedTrace.apply(K_zz, K_zx, hessians, jitter)
 
 

@@ -109,3 +109,19 @@ def test_rounding_past_the_numerical_rank_names_the_fix_on_the_spectral_route():
     cp(x[:3])  # the prediction builds the spectrum
     with pytest.raises(torch.linalg.LinAlgError, match="larger jitter"):
         cp.log_marginal_likelihood(torch.tensor([1.0]))
+
+
+def test_load_state_dict_forgets_the_spectrum():
+    model, x, y, Z = _problem("regression")
+    cp = ContextPosterior(model, "regression", Z).fit((x[:20], y[:20]))
+    cp.log_marginal_likelihood(torch.tensor([1.0]))
+    cp.log_marginal_likelihood(torch.tensor([2.0]))  # spectrum of the first sums
+    other = ContextPosterior(model, "regression", Z).fit((x, y))
+    cp.load_state_dict(other.state_dict())
+    fresh = ContextPosterior(model, "regression", Z).fit((x, y))
+    torch.testing.assert_close(
+        cp.log_marginal_likelihood(torch.tensor([2.0])),
+        fresh.log_marginal_likelihood(torch.tensor([2.0])),
+        rtol=1e-10,
+        atol=0,
+    )
