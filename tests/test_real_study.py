@@ -215,6 +215,21 @@ def test_selection_by_validation_grid_picks_the_lowest_nlpd() -> None:
     assert sel.delta == grid[int(np.argmin(scores))]
 
 
+def test_selection_by_grid_with_retune_fits_once_and_agrees() -> None:
+    # a posterior that takes a new prior precision after fit is fitted once
+    ctx, built = _ctx(), []
+
+    def build(delta: float) -> _Fake:
+        built.append(delta)
+        return _Fake(delta)
+
+    grid = [0.1, 1.0, 10.0, 100.0]
+    sel = select_prior_precision(build, ctx, grid, use_evidence=False, retune=True)
+    assert built == [grid[0]]
+    assert sel.delta == select_prior_precision(_Fake, ctx, grid).delta
+    assert float(sel.posterior.prior_precision) == sel.delta  # left at the choice
+
+
 def test_selection_prefers_evidence_and_falls_back() -> None:
     ctx = _ctx()
     grid = [10.0**k for k in range(-2, 7)]
@@ -308,6 +323,16 @@ def test_criteria_by_hand() -> None:
     assert sfr[0.20]["best_ours_nlpd"] == 0.12 and not sfr[0.20]["beats_sfr"]
     assert out["sfr_behind"] == ["M=20%"]
     assert "**FAILED**" in "\n".join(criteria_markdown(out))
+    assert out["common_delta"]["pairs"] == []  # no common-δ rows given
+    common = [
+        _agg("digits", "CP (random) at full δ", 0.01, 0.50, 0.30),
+        _agg("digits", "CP (optimised) at full δ", 0.01, 0.45, 0.35),
+    ]
+    out = check_criteria(aggs + common)["common_delta"]
+    assert [p["posterior"] for p in out["pairs"]] == ["ContextPosterior"]
+    assert out["nlpd_never_worse"] is True and out["log_var_better_m_le_10"] is False
+    assert out["log_var_failures"] == ["digits M=1% ContextPosterior"]
+    assert "one common δ" in "\n".join(criteria_markdown(check_criteria(aggs + common)))
 
 
 def test_load_records_prefers_finished_then_partial(tmp_path: Path) -> None:
@@ -371,6 +396,16 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
     assert {r["selection"] for r in rows if r["method"] == "SFR-like CP (random)"} == {
         "evidence"
     }
+    assert len(result["criteria"]["common_delta"]["pairs"]) == 2 * 2 * 2
+    full_delta = {
+        (r["dataset"], r["seed"]): r["delta"]
+        for r in rows
+        if r["method"] == "FullLaplace"
+    }
+    common = [r for r in rows if r["method"].endswith("at full δ")]
+    assert len(common) == 2 * 2 * 2 * 2  # data sets × M × posteriors × locations
+    for r in common:
+        assert r["delta"] == full_delta[(r["dataset"], r["seed"])]
 
 
 def test_ella_and_valla_rows_exactly_when_laplace_torch_has_them() -> None:

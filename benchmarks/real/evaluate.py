@@ -100,6 +100,9 @@ def _method_row(spec: MethodSpec, ctx: SeedContext, row: Row, grid, init_delta):
         sel = Selection(
             posterior, float(delta.reshape(-1)[0]), "own objective (in fit)"
         )
+    elif spec.selection == "full":  # one common δ: the full Laplace's evidence
+        posterior = spec.build(ctx, row, init_delta)
+        sel = Selection(posterior, init_delta, "full Laplace's evidence")
     else:
         sel = select_prior_precision(
             lambda d: spec.build(ctx, row, d),
@@ -108,6 +111,7 @@ def _method_row(spec: MethodSpec, ctx: SeedContext, row: Row, grid, init_delta):
             use_evidence=spec.selection == "evidence",
             initial=init_delta,
             shared=spec.shared,
+            retune=spec.retune,
         )
     fit_s, fit_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     start, cpu = time.perf_counter(), time.process_time()

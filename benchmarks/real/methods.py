@@ -40,7 +40,11 @@ class MethodSpec:
 
     ``selection``: ``'evidence'`` (its own marginal likelihood when it has one,
     else validation grid), ``'grid'`` (validation NLPD on the grid), ``'own'``
-    (the method learns ``δ`` itself while fitting).
+    (the method learns ``δ`` itself while fitting), ``'full'`` (the full-data
+    Laplace's evidence ``δ``, the same for every such row: a comparison of
+    locations at one common ``δ``). ``retune``: the posterior takes a new
+    ``prior_precision`` after ``fit`` exactly (tested in
+    ``tests/context/test_hyperparameters.py``), so the validation grid fits once.
     """
 
     name: str
@@ -49,6 +53,7 @@ class MethodSpec:
     locations: str  # 'random', 'optimised' or 'none'
     shared: bool = False  # build again at the chosen δ (see select_prior_precision)
     note: str = ""
+    retune: bool = False  # set prior_precision after one fit instead of refitting
 
 
 def _gp_subset(ctx: SeedContext, row: Row, delta: float) -> Any:
@@ -174,6 +179,7 @@ METHODS: dict[str, MethodSpec] = {
             "grid",
             "random",
             note="LocationFunctionalLaplace; evidence is of pseudo-targets",
+            retune=True,
         ),
         MethodSpec(
             "ELLA",
@@ -203,6 +209,18 @@ METHODS: dict[str, MethodSpec] = {
             "grid",
             "optimised",
             note="LocationFunctionalLaplace on optimised Z",
+            retune=True,
+        ),
+        *(
+            MethodSpec(
+                f"{label} ({which}) at full δ",
+                builder(which),
+                "full",
+                which,
+                note=f"{label} at the full Laplace's evidence δ",
+            )
+            for label, builder in (("CP", _context), ("LFL full-Λ", _location_fl))
+            for which in ("random", "optimised")
         ),
     )
     if HAS_ELLA_VALLA or spec.name not in ("ELLA", "VaLLA")

@@ -13,7 +13,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .criteria import check_criteria, criteria_markdown  # noqa: E402
+from .criteria import (  # noqa: E402
+    COMMON_DELTA_PAIRS,
+    check_criteria,
+    criteria_markdown,
+)
 from .data import DATASETS  # noqa: E402
 from .published import SFR_DIGITS, SFR_DIGITS_STD, SFR_PROTOCOL_NOTE  # noqa: E402
 
@@ -139,11 +143,16 @@ def _run_line(metas: list[dict]) -> str:
     )
 
 
+COMMON_DELTA_ROWS = {name for pair in COMMON_DELTA_PAIRS.values() for name in pair}
+
+
 def _draw(ax: Any, ds: str, aggs: list[dict], fractions: list[float]) -> None:
     if ds == "digits":  # the published curves at all their M, even in a short run
         fractions = sorted(set(fractions) | set(SFR_DIGITS["SFR (published)"]))
     xs = [100 * f for f in fractions]
     for a_method in dict.fromkeys(a["method"] for a in aggs):
+        if a_method in COMMON_DELTA_ROWS:  # tables only: the plot keeps the protocol
+            continue
         by_f = {a["fraction"]: a for a in aggs if a["method"] == a_method}
         if None in by_f:  # MAP, FullLaplace: horizontal lines
             if "nlpd" in by_f[None]:
