@@ -230,6 +230,24 @@ def test_selection_by_grid_with_retune_fits_once_and_agrees() -> None:
     assert float(sel.posterior.prior_precision) == sel.delta  # left at the choice
 
 
+def test_common_delta_row_retunes_the_last_fit_of_its_pair() -> None:
+    from benchmarks.real.methods import Row, _with_common_delta
+
+    fits = []
+
+    def fit(ctx, row, delta):
+        fits.append(delta)
+        return _Fake(delta)
+
+    build, at_delta = _with_common_delta(fit)
+    ctx, row = _ctx(), Row(3, torch.zeros(3, 1), torch.zeros(3))
+    first = build(ctx, row, 5.0)
+    again = at_delta(ctx, row, 2.0)
+    assert again is first and float(again.prior_precision) == 2.0 and fits == [5.0]
+    fresh = at_delta(ctx, row, 3.0)  # used up: fitted afresh
+    assert fresh is not first and fits == [5.0, 3.0]
+
+
 def test_selection_prefers_evidence_and_falls_back() -> None:
     ctx = _ctx()
     grid = [10.0**k for k in range(-2, 7)]
@@ -260,13 +278,13 @@ def test_selection_rebuilds_at_the_chosen_delta_when_shared() -> None:
     assert sel.posterior.prior_precision == sel.delta  # the fresh object
 
 
-def test_task_order_covers_every_task_once_largest_data_set_last() -> None:
+def test_task_order_covers_every_task_once_long_tasks_before_short() -> None:
     from benchmarks.real.runner import task_order
 
     order = task_order(["big", "a", "b"], [1, 2, 3])
     assert sorted(order) == sorted((d, s) for d in ("big", "a", "b") for s in (1, 2, 3))
-    assert order[:3] == [("big", 1), ("a", 1), ("b", 1)]
-    assert order[-2:] == [("big", 2), ("big", 3)]
+    assert order[:5] == [("big", 1), ("a", 1), ("b", 1), ("big", 2), ("big", 3)]
+    assert {d for d, _ in order[5:]} == {"a", "b"}
 
 
 def test_aggregate_mean_and_sample_std() -> None:

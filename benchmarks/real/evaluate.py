@@ -32,7 +32,7 @@ class StudyConfig:
     grid: tuple[float, ...] = tuple(10.0**k for k in range(-2, 7))
 
 
-def _full_metrics(ctx: SeedContext, delta: float) -> dict[str, Any]:
+def full_metrics(ctx: SeedContext, delta: float) -> dict[str, Any]:
     var = ctx.full.latent_variance(ctx.proj_test, delta)
     return {
         **predictive_metrics(
@@ -48,7 +48,7 @@ def _base_rows(ctx: SeedContext) -> list[dict[str, Any]]:
     delta = ctx.full.best_delta()
     select_s = time.perf_counter() - start
     start = time.perf_counter()
-    full = _full_metrics(ctx, delta)
+    full = full_metrics(ctx, delta)
     predict_s = time.perf_counter() - start
     y, sigma = ctx.split.y_test, ctx.sigma_noise
     return [

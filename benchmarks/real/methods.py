@@ -105,6 +105,41 @@ def _location_fl(which: str) -> Builder:
     return build
 
 
+def _with_common_delta(fit: Builder) -> tuple[Builder, Builder]:
+    """``fit``, and a builder for its common-δ row that reuses the last fit.
+
+    The common-δ row of a (seed, M, locations) comes right after the row that
+    selects δ; that posterior (ContextPosterior, LocationFunctionalLaplace) takes a
+    new ``prior_precision`` after ``fit`` exactly (tested in
+    ``tests/context/test_hyperparameters.py``), so it is set to the common δ instead
+    of fitted again; without such a fit (``--methods`` without it) it is fitted.
+    """
+    last: dict[tuple[int, int], Any] = {}
+
+    def build(ctx: SeedContext, row: Row, delta: float) -> Any:
+        posterior = fit(ctx, row, delta)
+        last.clear()
+        last[(id(ctx), row.m)] = posterior
+        return posterior
+
+    def at_delta(ctx: SeedContext, row: Row, delta: float) -> Any:
+        posterior = last.pop((id(ctx), row.m), None)
+        if posterior is None:
+            return fit(ctx, row, delta)
+        posterior.prior_precision = torch.tensor([delta], dtype=torch.float64)
+        return posterior
+
+    return build, at_delta
+
+
+#: (label, locations) -> (builder that selects δ, builder of the common-δ row)
+_PAIRED = {
+    (label, which): _with_common_delta(fit(which))
+    for label, fit in (("CP", _context), ("LFL full-Λ", _location_fl))
+    for which in ("random", "optimised")
+}
+
+
 def _ella() -> Builder:
     cache: dict[tuple, Any] = {}
 
@@ -168,14 +203,14 @@ METHODS: dict[str, MethodSpec] = {
         ),
         MethodSpec(
             "SFR-like CP (random)",
-            _context("random"),
+            _PAIRED["CP", "random"][0],
             "evidence",
             "random",
             note="ContextPosterior (DTC) through a random subset",
         ),
         MethodSpec(
             "LFL full-Λ (random)",
-            _location_fl("random"),
+            _PAIRED["LFL full-Λ", "random"][0],
             "grid",
             "random",
             note="LocationFunctionalLaplace; evidence is of pseudo-targets",
@@ -198,14 +233,14 @@ METHODS: dict[str, MethodSpec] = {
         ),
         MethodSpec(
             "CP (optimised)",
-            _context("optimised"),
+            _PAIRED["CP", "optimised"][0],
             "evidence",
             "optimised",
             note="ContextPosterior on optimize_locations(init=random)",
         ),
         MethodSpec(
             "LFL full-Λ (optimised)",
-            _location_fl("optimised"),
+            _PAIRED["LFL full-Λ", "optimised"][0],
             "grid",
             "optimised",
             note="LocationFunctionalLaplace on optimised Z",
@@ -214,13 +249,12 @@ METHODS: dict[str, MethodSpec] = {
         *(
             MethodSpec(
                 f"{label} ({which}) at full δ",
-                builder(which),
+                builders[1],
                 "full",
                 which,
                 note=f"{label} at the full Laplace's evidence δ",
             )
-            for label, builder in (("CP", _context), ("LFL full-Λ", _location_fl))
-            for which in ("random", "optimised")
+            for (label, which), builders in _PAIRED.items()
         ),
     )
     if HAS_ELLA_VALLA or spec.name not in ("ELLA", "VaLLA")
