@@ -134,12 +134,12 @@ def load_records(raw: Path, tasks: list[tuple[str, int]]) -> list[dict[str, Any]
 
 
 def task_order(datasets: list[str], seeds: list[int]) -> list[tuple[str, int]]:
-    """The order tasks are started in: every data set early, the long tasks next.
+    """The order tasks are started in: useful results early in a run cut short.
 
-    The first seed of every data set, then the first (largest) data set's remaining
-    seeds, then the other data sets' (short tasks). A run cut short still has every
-    data set, and on 2 workers the short tasks fill in at the end instead of one
-    long task running alone (longest-first scheduling).
+    The first seed of every data set, then the remaining seeds of all data sets but
+    the first (the small ones), then the first data set's (the largest's) remaining
+    seeds. On 2 workers one works through the large data set while the other does
+    the small ones, so a run cut short has every data set, most with all seeds.
 
     Parameters
     ----------
@@ -155,7 +155,7 @@ def task_order(datasets: list[str], seeds: list[int]) -> list[tuple[str, int]]:
     """
     first = [(d, seeds[0]) for d in datasets]
     small = [(d, s) for s in seeds[1:] for d in datasets[1:]]
-    return first + [(datasets[0], s) for s in seeds[1:]] + small
+    return first + small + [(datasets[0], s) for s in seeds[1:]]
 
 
 def run_study(
