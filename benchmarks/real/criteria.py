@@ -211,15 +211,22 @@ def _pairs_table(pairs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _verdict_bullets(verdicts: dict[str, Any]) -> list[str]:
+    """Criteria 1 and 2 as two Markdown bullets (see :func:`_verdicts`)."""
+    return [
+        "* Optimised never worse than its random start in mean test NLPD: "
+        + _failures(verdicts["nlpd_never_worse"], verdicts["nlpd_failures"]),
+        "* Optimised better in mean |log var − log var_full| at every M ≤ 10 %: "
+        + _failures(verdicts["log_var_better_m_le_10"], verdicts["log_var_failures"]),
+    ]
+
+
 def criteria_markdown(result: dict[str, Any]) -> list[str]:
     """Markdown lines for :func:`check_criteria`'s result."""
     lines = [
         "## Criteria (checked automatically, `benchmarks/real/criteria.py`)",
         "",
-        "* Optimised never worse than its random start in mean test NLPD: "
-        + _failures(result["nlpd_never_worse"], result["nlpd_failures"]),
-        "* Optimised better in mean |log var − log var_full| at every M ≤ 10 %: "
-        + _failures(result["log_var_better_m_le_10"], result["log_var_failures"]),
+        *_verdict_bullets(result),
         "* Of the NLPD failures, those where the optimised row's own δ (mean over "
         "seeds) is closer to the full Laplace's δ than the random row's: "
         f"{len(result['nlpd_failures_delta_closer_to_full'])} of "
@@ -244,10 +251,7 @@ def criteria_markdown(result: dict[str, Any]) -> list[str]:
             "Random and optimised locations at the full Laplace's evidence δ, the δ "
             "the locations were optimised at, so that only the locations differ.",
             "",
-            "* Optimised never worse in mean test NLPD: "
-            + _failures(common["nlpd_never_worse"], common["nlpd_failures"]),
-            "* Optimised better in mean |log var − log var_full| at every M ≤ 10 %: "
-            + _failures(common["log_var_better_m_le_10"], common["log_var_failures"]),
+            *_verdict_bullets(common),
             "",
             *_pairs_table(common["pairs"]),
         ]
