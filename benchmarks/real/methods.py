@@ -16,6 +16,7 @@ from laplace import Laplace, baselaplace
 from laplace_diffjac import ContextPosterior, DiffBackPackGGN, LocationFunctionalLaplace
 
 from .context import SeedContext
+from .selection import set_prior_precision
 
 __all__ = ["HAS_ELLA_VALLA", "LOCATION_METHODS", "METHODS", "MethodSpec", "Row"]
 
@@ -126,7 +127,7 @@ def _with_common_delta(fit: Builder) -> tuple[Builder, Builder]:
         posterior = last.pop((id(ctx), row.m), None)
         if posterior is None:
             return fit(ctx, row, delta)
-        posterior.prior_precision = torch.tensor([delta], dtype=torch.float64)
+        set_prior_precision(posterior, delta)
         return posterior
 
     return build, at_delta

@@ -32,6 +32,7 @@ __all__ = [
     "default_grid",
     "maximise_evidence",
     "select_prior_precision",
+    "set_prior_precision",
     "validation_nlpd",
 ]
 
@@ -94,6 +95,11 @@ def validation_nlpd(posterior: Any, ctx: SeedContext) -> float:
     return value if math.isfinite(value) else math.inf
 
 
+def set_prior_precision(posterior: Any, delta: float) -> None:
+    """Set a fitted posterior's scalar prior precision (float64, as laplace-torch)."""
+    posterior.prior_precision = torch.tensor([delta], dtype=torch.float64)
+
+
 def _evidence_at(posterior: Any, log10_delta: float) -> float:
     delta = torch.tensor([10.0**log10_delta], dtype=torch.float64)
     with torch.no_grad():
@@ -139,7 +145,7 @@ def maximise_evidence(posterior: Any, grid: list[float]) -> float:
             d = a + phi * (b - a)
             fd = _evidence_at(posterior, d)
     best = max([(values[i], logs[i]), (fc, c), (fd, d)])[1]
-    posterior.prior_precision = torch.tensor([10.0**best], dtype=torch.float64)
+    set_prior_precision(posterior, 10.0**best)
     return 10.0**best
 
 
@@ -220,14 +226,14 @@ def _by_validation(
     fitted = build(grid[0]) if retune else None
     for delta in grid:
         if fitted is not None:
-            fitted.prior_precision = torch.tensor([delta], dtype=torch.float64)
+            set_prior_precision(fitted, delta)
         posterior = build(delta) if fitted is None else fitted
         score = validation_nlpd(posterior, ctx)
         if best is None or score < best_score:
             best, best_score = Selection(posterior, delta, "val-grid"), score
     assert best is not None
     if fitted is not None:
-        fitted.prior_precision = torch.tensor([best.delta], dtype=torch.float64)
+        set_prior_precision(fitted, best.delta)
     if shared:
         best.posterior = build(best.delta)
     return best

@@ -89,18 +89,10 @@ def test_predictions_at_a_changed_prior_equal_a_fresh_fit(likelihood):
 
 def test_update_forgets_the_spectrum():
     model, x, y, Z = _problem("regression")
-    cp = ContextPosterior(model, "regression", Z).fit((x[:20], y[:20]))
-    cp.log_marginal_likelihood(torch.tensor([1.0]))
-    cp.log_marginal_likelihood(torch.tensor([2.0]))
+    cp = _with_spectrum(ContextPosterior(model, "regression", Z), x[:20], y[:20])
     assert cp._factors._spectrum is not None
     cp.update(x[20:], y[20:])
-    refit = ContextPosterior(model, "regression", Z).fit((x, y))
-    torch.testing.assert_close(
-        cp.log_marginal_likelihood(torch.tensor([2.0])),
-        refit.log_marginal_likelihood(torch.tensor([2.0])),
-        rtol=1e-10,
-        atol=0,
-    )
+    _assert_same_evidence(cp, ContextPosterior(model, "regression", Z).fit((x, y)))
 
 
 def test_rounding_past_the_numerical_rank_names_the_fix_on_the_spectral_route():
@@ -113,15 +105,24 @@ def test_rounding_past_the_numerical_rank_names_the_fix_on_the_spectral_route():
 
 def test_load_state_dict_forgets_the_spectrum():
     model, x, y, Z = _problem("regression")
-    cp = ContextPosterior(model, "regression", Z).fit((x[:20], y[:20]))
-    cp.log_marginal_likelihood(torch.tensor([1.0]))
-    cp.log_marginal_likelihood(torch.tensor([2.0]))  # spectrum of the first sums
+    cp = _with_spectrum(ContextPosterior(model, "regression", Z), x[:20], y[:20])
     other = ContextPosterior(model, "regression", Z).fit((x, y))
     cp.load_state_dict(other.state_dict())
-    fresh = ContextPosterior(model, "regression", Z).fit((x, y))
+    _assert_same_evidence(cp, ContextPosterior(model, "regression", Z).fit((x, y)))
+
+
+def _with_spectrum(cp, x, y):
+    """``cp`` fitted on ``(x, y)`` with its spectrum built (two evidence values)."""
+    cp.fit((x, y))
+    cp.log_marginal_likelihood(torch.tensor([1.0]))
+    cp.log_marginal_likelihood(torch.tensor([2.0]))
+    return cp
+
+
+def _assert_same_evidence(cp, reference):
     torch.testing.assert_close(
         cp.log_marginal_likelihood(torch.tensor([2.0])),
-        fresh.log_marginal_likelihood(torch.tensor([2.0])),
+        reference.log_marginal_likelihood(torch.tensor([2.0])),
         rtol=1e-10,
         atol=0,
     )
