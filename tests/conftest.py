@@ -109,6 +109,39 @@ class TinyTransformer(nn.Module):
         return self.head(self.enc(self.emb(batch["input_ids"])).mean(1))
 
 
+class PaddedTransformer(TinyTransformer):
+    """Token 0 pads, as in Hugging Face models: ``padding_idx`` of the embedding,
+    ``key_padding_mask`` of the attention, a mean over the real tokens. The first
+    token is never masked, so no row of the attention is empty."""
+
+    def __init__(self, c: int = 2):
+        super().__init__(c)
+        self.emb = nn.Embedding(11, 8, padding_idx=0)
+
+    def forward(self, batch):
+        ids = batch["input_ids"]
+        pad = (ids == 0) & (torch.arange(ids.shape[1]) > 0)
+        h = self.enc(self.emb(ids), src_key_padding_mask=pad)
+        real = (~pad).unsqueeze(-1).to(h.dtype)
+        return self.head((h * real).sum(1) / real.sum(1))
+
+
+class SequenceFirstEncoder(nn.Module):
+    """Two encoder layers with PyTorch's default ``batch_first=False``, fed
+    ``(T, batch, 4)`` with a padding mask: their Linear and LayerNorm layers see the
+    sequence first."""
+
+    def __init__(self, c: int = 2):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(4, c)
+
+    def forward(self, x):
+        pad = (x[..., 0] > 1.0) & (torch.arange(x.shape[1]) > 0)
+        return self.head(self.enc(x.transpose(0, 1), src_key_padding_mask=pad).mean(0))
+
+
 class LSTMRegressor(nn.Module):
     """LSTM over a sequence, head on the last hidden state and the mean output."""
 
@@ -201,6 +234,15 @@ class SequenceCase:
 SEQUENCE_CASES = [
     SequenceCase(
         "transformer-dict", TinyTransformer, (5,), tokens=11, loop_reference=True
+    ),
+    SequenceCase(
+        "transformer-padding", PaddedTransformer, (6,), tokens=4, loop_reference=True
+    ),
+    SequenceCase(  # T = 3 = the default batch: a mixed-up layout would not fail
+        "transformer-sequence-first",
+        SequenceFirstEncoder,
+        (3, 4),
+        loop_reference=True,
     ),
     SequenceCase("lstm-regressor", LSTMRegressor, (4, 3), loop_reference=True),
     SequenceCase(

@@ -20,6 +20,7 @@ from laplace.curvature import GGNInterface
 from laplace.utils import Kron
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidInputError, UnsupportedModuleError
 from ..jacobians._inputs import (
@@ -146,6 +147,8 @@ class DiffFuncGGN(GGNInterface):
             torch.set_grad_enabled(enable_backprop),
             preserved_state(self.model),
             elementary_normalisations(self.model),  # right higher derivatives
+            # composite attention: the fused CPU kernels have no double backward
+            sdpa_kernel([SDPBackend.MATH]),
         ):
             if _has_recurrent_layers(self.model):
                 with _without_onednn():

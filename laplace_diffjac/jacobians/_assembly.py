@@ -20,6 +20,11 @@ Factor kinds, for ``V`` rows (outputs), ``B`` samples:
     unfolded patch size). With ``L == 1`` an outer product.
 :class:`Summed`
     ``J[b, v, o] = Σ_l g[v, b, o, l]``: biases.
+:class:`Scattered`
+    ``J[b, v, s, k] = Σ_l [index[b, l] = s] · g[v, b, l, k]`` with signals ``g``
+    ``(V, B, L, K)`` and integer ``index`` ``(B, L)``: Embedding (``L`` =
+    positions, ``K`` = embedding width). A scatter, not a one-hot product: its
+    cost does not grow with the vocabulary beyond the write of the block.
 :class:`Dense`
     A block computed elsewhere, ``(V, B, n)`` (BackPACK's ``param_mjp``).
 """
@@ -129,6 +134,57 @@ class Summed:
 
 
 @dataclass(frozen=True)
+class Scattered:
+    """Factors of ``J[b, v, s, k] = Σ_l [index[b, l] = s] · g[v, b, l, k]``.
+
+    Attributes
+    ----------
+    g : torch.Tensor
+        ``(V, B, L, K)``: signals at the embedding output.
+    index : torch.Tensor
+        ``(B, L)``, integer: the rows looked up.
+
+    """
+
+    g: torch.Tensor
+    index: torch.Tensor
+    n_tensors: ClassVar[int] = 2
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The autograd inputs, in the order ``write`` and ``backward`` take them."""
+        return (self.g, self.index)
+
+    @staticmethod
+    def write(
+        dst: torch.Tensor, accumulate: bool, g: torch.Tensor, index: torch.Tensor
+    ) -> None:
+        """Write (or add) the block into ``dst`` ``(B, V, S·K)``, no autograd."""
+        view = _rows_by_seed(dst, g.shape)
+        if not accumulate:
+            view.zero_()
+        view.scatter_add_(2, _index_like(index, g.shape), g)
+
+    @staticmethod
+    def backward(
+        grad: torch.Tensor, g: torch.Tensor, index: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        """Gradient with respect to ``g`` of ``<grad, J>`` (none for ``index``)."""
+        view = _rows_by_seed(grad, g.shape)
+        return torch.gather(view, 2, _index_like(index, g.shape)), None
+
+
+def _rows_by_seed(block: torch.Tensor, g_shape: torch.Size) -> torch.Tensor:
+    """A ``(B, V, S·K)`` block as the view ``(V, B, S, K)``."""
+    n_rows, batch, _, width = g_shape
+    return block.view(batch, n_rows, -1, width).transpose(0, 1)
+
+
+def _index_like(index: torch.Tensor, g_shape: torch.Size) -> torch.Tensor:
+    """``index`` ``(B, L)`` expanded to the signals' ``(V, B, L, K)``, no copy."""
+    return index[None, :, :, None].expand(g_shape)
+
+
+@dataclass(frozen=True)
 class Dense:
     """A materialised block ``(V, B, n)``.
 
@@ -160,11 +216,13 @@ class Dense:
         return (grad.transpose(0, 1),)
 
 
-Factors = Union[Product, Summed, Dense]
+Factors = Union[Product, Summed, Scattered, Dense]
 
 #: One entry of the layout: factor kind, first column, number of columns,
 #: whether the block adds to an earlier one (shared modules).
-_Entry = tuple[Union[type[Product], type[Summed], type[Dense]], int, int, bool]
+_Entry = tuple[
+    Union[type[Product], type[Summed], type[Scattered], type[Dense]], int, int, bool
+]
 
 
 class _Assemble(torch.autograd.Function):

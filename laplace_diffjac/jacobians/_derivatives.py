@@ -5,10 +5,11 @@ output, ``(V, batch, *output_shape)``, describe the per-sample gradients with
 respect to its parameters as factors for :func:`.jacobian_blocks.assemble`.
 ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding) use a
 closed form (signals times inputs), which is never materialised before it is
-written into the final Jacobian. Every other module type that BackPACK's
-``BatchGrad`` supports goes through BackPACK's derivatives object (``param_mjp``),
-with BackPACK's bookkeeping attributes (``input0``, ``output``) on the module only
-for the duration of one call.
+written into the final Jacobian; so do the types in :data:`RULES` (Embedding as a
+scatter, norms, attention, recurrent layers). Every other module type that
+BackPACK's ``BatchGrad`` supports goes through BackPACK's derivatives object
+(``param_mjp``), with BackPACK's bookkeeping attributes (``input0``, ``output``) on
+the module only for the duration of one call.
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ from backpack.core.derivatives.conv3d import Conv3DDerivatives
 from backpack.core.derivatives.conv_transpose1d import ConvTranspose1DDerivatives
 from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivatives
 from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
-from backpack.core.derivatives.embedding import EmbeddingDerivatives
 from backpack.core.derivatives.linear import LinearDerivatives
 from torch import nn
 
 from ..errors import UnsupportedModuleError
-from . import _rules_attention, _rules_recurrent
+from . import _rules_attention, _rules_embedding, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
 from ._layer_calls import LayerCall, RecordedForward
 from ._rules_norm import NORM_FORWARDS, group_norm_factors, layer_norm_factors
@@ -38,9 +38,11 @@ from ._rules_norm import NORM_FORWARDS, group_norm_factors, layer_norm_factors
 Signals = tuple[Optional[torch.Tensor], ...]
 Rule = Callable[[LayerCall, Signals, set[int]], list[tuple[int, Factors]]]
 
-#: Module types with a rule of their own (closed form, or BPTT for recurrent
-#: layers); a ``MultiheadAttention`` also owns its ``out_proj`` parameters.
+#: Module types with a rule of their own (closed form, a scatter for Embedding, or
+#: BPTT for recurrent layers); a ``MultiheadAttention`` also owns its ``out_proj``
+#: parameters.
 RULES: dict[type[nn.Module], Rule] = {
+    nn.Embedding: _rules_embedding.embedding_factors,
     nn.LayerNorm: layer_norm_factors,
     nn.GroupNorm: group_norm_factors,
     nn.MultiheadAttention: _rules_attention.attention_factors,
@@ -56,27 +58,6 @@ FORWARDS: dict[type[nn.Module], RecordedForward] = {
 }
 
 
-class _EmbeddingDerivatives(EmbeddingDerivatives):
-    """BackPACK's Embedding rule in the signals' dtype (BackPACK's is float32)."""
-
-    def _weight_jac_t_mat_prod(
-        self,
-        module: nn.Embedding,
-        g_inp: object,
-        g_out: object,
-        mat: torch.Tensor,
-        sum_batch: bool = True,
-        subsampling: list[int] | None = None,
-    ) -> torch.Tensor:
-        self._check_parameters(module)
-        index = cast(torch.Tensor, vars(module)["input0"])
-        if subsampling is not None:
-            index = index[subsampling]
-        one_hot = torch.nn.functional.one_hot(index, module.num_embeddings).to(mat)
-        equation = f"n...s,vn...h->v{'' if sum_batch else 'n'}sh"
-        return torch.einsum(equation, one_hot, mat)
-
-
 #: Module types with a per-sample Jacobian rule (those of BackPACK's ``BatchGrad``
 #: that take a single batch-first input).
 DERIVATIVES: dict[type[nn.Module], BaseParameterDerivatives] = {
@@ -90,10 +71,12 @@ DERIVATIVES: dict[type[nn.Module], BaseParameterDerivatives] = {
     nn.BatchNorm1d: BatchNormNdDerivatives(),
     nn.BatchNorm2d: BatchNormNdDerivatives(),
     nn.BatchNorm3d: BatchNormNdDerivatives(),
-    nn.Embedding: _EmbeddingDerivatives(),
 }
 
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+#: Module types whose rules find the batch dimension themselves.
+_SEQUENCE_AWARE = (nn.MultiheadAttention, *_rules_recurrent.RECURRENT)
 
 
 def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.Module]:
@@ -155,6 +138,37 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
     return owners
 
 
+def check_batch_first(calls: Iterable[LayerCall], batch: int, root: nn.Module) -> None:
+    """Refuse a call whose output does not lead with the batch.
+
+    Every rule but attention's and the recurrent ones (which honour ``batch_first``)
+    takes the first dimension of a module's output as the batch; any other layout
+    would mix the samples' signals.
+
+    Raises
+    ------
+    UnsupportedModuleError
+        Naming the module, its leading size and the usual causes.
+
+    """
+    names = {id(m): name for name, m in root.named_modules()}
+    for call in calls:
+        if isinstance(call.module, _SEQUENCE_AWARE):
+            continue
+        lead = call.output.shape[0] if call.output.dim() else 1
+        if lead != batch:
+            name = names.get(id(call.module)) or "<root>"
+            raise UnsupportedModuleError(
+                f"Module '{name}' ({type(call.module).__name__}) returned a tensor "
+                f"whose first dimension is {lead}, not the batch size {batch}, so "
+                "its per-sample Jacobians cannot be told apart. Usual causes: an "
+                "input shared by the whole batch (e.g. position ids of shape "
+                "(1, T): expand them to (B, T)), a sequence-first layout (use "
+                "batch_first=True), or the batch merged with other dimensions. "
+                "laplace_diffjac.DiffFuncGGN handles any layout."
+            )
+
+
 def _refusal(module: nn.Module, name: str) -> str | None:
     """Why ``module`` has no rule (``None`` if it has one); raise for BatchNorm."""
     kind = type(module)
@@ -166,10 +180,8 @@ def _refusal(module: nn.Module, name: str) -> str | None:
             "Jacobians are not defined (the batch statistics couple the samples). "
             "Call model.eval() first."
         )
-    if isinstance(module, nn.Embedding) and (
-        module.padding_idx is not None or module.max_norm is not None
-    ):
-        return "Embedding with padding_idx or max_norm"
+    if isinstance(module, nn.Embedding):
+        return _rules_embedding.unsupported_reason(module)
     if isinstance(module, nn.MultiheadAttention):
         return _rules_attention.unsupported_reason(module)
     if isinstance(module, _rules_recurrent.RECURRENT):
@@ -186,8 +198,9 @@ def param_jacobian_factors(
 
     ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding) give
     closed-form factors that :func:`.jacobian_blocks.assemble` writes straight into
-    the final Jacobian, and so do the types in :data:`RULES` (norms, attention,
-    recurrent layers); every other module gives a block from BackPACK's ``param_mjp``.
+    the final Jacobian, and so do the types in :data:`RULES` (Embedding, norms,
+    attention, recurrent layers); every other module gives a block from BackPACK's
+    ``param_mjp``.
 
     Parameters
     ----------

@@ -30,11 +30,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidInputError
 from ._assembly import assemble
-from ._derivatives import FORWARDS, owning_modules, param_jacobian_factors
+from ._derivatives import (
+    FORWARDS,
+    check_batch_first,
+    owning_modules,
+    param_jacobian_factors,
+)
 from ._inputs import batch_size, check_model_output, detached
 from ._layer_calls import recorded_calls
 from ._model_guard import preserved_state
 from ._rules_norm import rewritten_modules
+from ._sequence_first import batch_first_encoders
 from ._warnings import quiet_full_backward_hook_warning
 
 
@@ -83,9 +89,11 @@ def parameter_jacobians(
     with preserved_state(model), torch.enable_grad():
         rewritten = rewritten_modules(model, modules)
         recording = recorded_calls(modules, FORWARDS, rewritten)
-        with recording as calls, sdpa_kernel([SDPBackend.MATH]):
+        with recording as calls, batch_first_encoders(model):
             # the composite attention kernel: batched and double backward work
-            f = check_model_output(model(x_in), batch)
+            with sdpa_kernel([SDPBackend.MATH]):
+                f = check_model_output(model(x_in), batch)
+        check_batch_first(calls, batch, root)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
         signals = _output_signals(f2, selected_outputs)
         targets = [c.signal_targets() for c in calls]
@@ -137,8 +145,9 @@ def per_sample_gradients(
     modules = owning_modules(root, params)
     batch = batch_size(x)
     with preserved_state(model), torch.enable_grad():
-        with recorded_calls(modules, FORWARDS) as calls:
+        with recorded_calls(modules, FORWARDS) as calls, batch_first_encoders(model):
             f = model(detached(x))
+        check_batch_first(calls, batch, root)
         loss = loss_of_output(f)
         targets = [c.signal_targets() for c in calls]
         with quiet_full_backward_hook_warning():

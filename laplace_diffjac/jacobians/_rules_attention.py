@@ -72,7 +72,10 @@ def recorded_forward(
     E, heads = m.embed_dim, m.num_heads
     qkv = projections[0].split(E, -1) if len(projections) == 1 else projections
     Q, K, Vv = (_split(t, heads) for t in qkv)
-    scores = Q @ K.transpose(-1, -2) * (1.0 / math.sqrt(m.head_dim)) + mask
+    # scaling Q (B, h, T, d), not the scores (B, h, T, S): a smaller backward
+    scores = (Q * (1.0 / math.sqrt(m.head_dim))) @ K.transpose(-1, -2)
+    if mask is not None:
+        scores = scores + mask
     A = torch.softmax(scores, dim=-1)  # (B, h, T, S)
     H = _merge(A @ Vv)  # (B, T, E)
     out = nn.functional.linear(H, m.out_proj.weight, m.out_proj.bias)
@@ -197,15 +200,15 @@ def _input_projection_factors(
 
 def _batch_first_inputs(
     m: nn.MultiheadAttention, call_args: tuple, call_kwargs: dict
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
     """Inputs of a call, batch first, with its additive mask.
 
     Returns
     -------
     q, k, v : torch.Tensor
         ``(B, T, ·)``; ``k`` and ``v`` are ``q`` itself for self-attention.
-    mask : torch.Tensor
-        Additive mask ``(B|1, h|1, T, S)``.
+    mask : torch.Tensor or None
+        Additive mask ``(B|1, h|1, T, S)``; ``None`` without masks.
     args : dict
         Every argument of the call by name, defaults filled in.
 
@@ -229,17 +232,17 @@ def _batch_first_inputs(
     if args["query"] is args["key"] and args["key"] is args["value"]:
         k = v = q  # keep identity: one product for self-attention
     batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
-    mask = q.new_zeros(1, 1, n_q, n_k)
+    mask: torch.Tensor | None = None
     attn_mask = args["attn_mask"]
     if attn_mask is None and args["is_causal"]:
         attn_mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(1)
     if attn_mask is not None:
         am = _additive(attn_mask, q.dtype)
-        am = am.view(batch, m.num_heads, n_q, n_k) if am.dim() == 3 else am
-        mask = mask + am
+        mask = am.view(batch, m.num_heads, n_q, n_k) if am.dim() == 3 else am
     padding = args["key_padding_mask"]
     if padding is not None:
-        mask = mask + _additive(padding, q.dtype).view(batch, 1, 1, n_k)
+        by_key = _additive(padding, q.dtype).view(batch, 1, 1, n_k)
+        mask = by_key if mask is None else mask + by_key
     return q, k, v, mask, args
 
 

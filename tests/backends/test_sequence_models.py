@@ -7,6 +7,7 @@ references, side effects, leaks, and ``gradcheck``/``gradgradcheck``.
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from collections import UserDict
@@ -15,7 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN, UnsupportedModuleError
+from laplace_diffjac import (
+    DiffBackPackEF,
+    DiffBackPackGGN,
+    DiffFuncGGN,
+    UnsupportedModuleError,
+)
 from tests.conftest import SEQUENCE_CASES, SequenceCase
 from tests.references import assert_same_state, model_state, reference_jacobians
 
@@ -180,6 +186,8 @@ def test_gradgradcheck_transformer_wrt_parameters():
         (nn.MultiheadAttention(4, 2, add_bias_kv=True), "add_bias_kv"),
         (nn.MultiheadAttention(4, 2, dropout=0.5).train(), "dropout"),
         (nn.LSTM(4, 4, num_layers=2, dropout=0.5).train(), "dropout"),
+        (nn.Embedding(5, 4, max_norm=1.0), "max_norm"),
+        (nn.Embedding(5, 4, scale_grad_by_freq=True), "scale_grad_by_freq"),
     ],
 )
 def test_unsupported_configurations_are_named(module, reason):
@@ -195,6 +203,49 @@ def test_unsupported_configurations_are_named(module, reason):
     before = model_state(model)
     with pytest.raises(UnsupportedModuleError, match=reason):
         DiffBackPackGGN(model, "regression").jacobians(torch.randn(2, 3, 4).double())
+    assert_same_state(before, model_state(model))
+
+
+@pytest.mark.parametrize("backend_cls", [DiffBackPackGGN, DiffFuncGGN])
+def test_float32_transformer_jacobians_differentiate_in_the_parameters(backend_cls):
+    """In float32 PyTorch picks its fused CPU attention kernel, which has no double
+    backward; the backends must record the composite one instead."""
+    case = BY_NAME["transformer-padding"]
+    model64 = case.model()
+    model = copy.deepcopy(model64).float()
+    x = case.inputs(batch=4)
+    J, _ = backend_cls(model, "classification").jacobians(x, enable_backprop=True)
+    grads = _grads(J.square().sum(), list(model.parameters()))
+    J_ref, _ = _reference(case, model64, x)
+    grads_ref = _grads(J_ref.square().sum(), list(model64.parameters()))
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g.double(), g_ref, rtol=1e-3, atol=1e-4)
+
+
+class _SharedPositions(nn.Module):
+    """Position embeddings looked up once for the whole batch, ``(1, T, d)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(7, 4), nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, batch):
+        ids = batch["input_ids"]
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1])[None])
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("backend_cls", [DiffBackPackGGN, DiffBackPackEF])
+def test_an_input_shared_by_the_batch_is_refused_by_name(backend_cls):
+    model = _SharedPositions().double()
+    x = {"input_ids": torch.randint(0, 7, (3, 5))}
+    before = model_state(model)
+    backend = backend_cls(model, "classification")
+    with pytest.raises(UnsupportedModuleError, match=r"'pos'.*1.*batch size 3.*expand"):
+        backend.jacobians(x)
+    with pytest.raises(UnsupportedModuleError, match="'pos'"):
+        backend.gradients(x, torch.tensor([0, 1, 1]))
     assert_same_state(before, model_state(model))
 
 
