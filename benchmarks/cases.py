@@ -53,7 +53,10 @@ class Config:
     @property
     def name(self) -> str:
         if self.kind == "transformer":
-            return f"transformer-d{self.width}-T{self.seq}-C{self.n_out}-B{self.batch}"
+            return (
+                f"transformer-v{self.d_in}-d{self.width}-T{self.seq}"
+                f"-C{self.n_out}-B{self.batch}"
+            )
         if self.kind == "cnn":
             return f"cnn-w{self.width}-C{self.n_out}-B{self.batch}"
         return f"mlp{self.depth}x{self.width}-C{self.n_out}-B{self.batch}"
@@ -139,6 +142,7 @@ FULL = [
     Config("cnn", 64, 10, 32),
     Config("cnn", 64, 10, 128),
     Config("transformer", 32, 10, 64, depth=1, d_in=100, seq=32, heads=4, ff=64),
+    Config("transformer", 32, 10, 64, depth=1, d_in=1000, seq=32, heads=4, ff=64),
 ]
 
 #: Smoke-size configurations for ``--quick`` (the test of the harness).

@@ -3,7 +3,7 @@
 Prints torch.profiler's operator table of the full step (Jacobians + gradient of
 ``‖J‖²`` w.r.t. x, or w.r.t. the parameters for token inputs), e.g.
 ``--config mlp,512,10,32 --method DiffBackPackGGN`` or, by name from
-``cases.FULL``, ``--config transformer-d32-T32-C10-B64``. ``--jac-only`` profiles
+``cases.FULL``, ``--config transformer-v100-d32-T32-C10-B64``. ``--jac-only`` profiles
 the Jacobians alone; ``--shapes`` groups the operators by input shape.
 """
 

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--configs",
         nargs="*",
         default=None,
-        help="only these configurations, by name (e.g. transformer-d32-T32-C10-B64)",
+        help="only these configurations, by name (e.g. mlp2x64-C1-B32)",
     )
     parser.add_argument(
         "--jobs",
