@@ -151,12 +151,12 @@ def check_batch_first(calls: Iterable[LayerCall], batch: int, root: nn.Module) -
         Naming the module, its leading size and the usual causes.
 
     """
-    names = {id(m): name for name, m in root.named_modules()}
     for call in calls:
         if isinstance(call.module, _SEQUENCE_AWARE):
             continue
         lead = call.output.shape[0] if call.output.dim() else 1
         if lead != batch:
+            names = {id(m): name for name, m in root.named_modules()}
             name = names.get(id(call.module)) or "<root>"
             raise UnsupportedModuleError(
                 f"Module '{name}' ({type(call.module).__name__}) returned a tensor "
