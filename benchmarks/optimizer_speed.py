@@ -35,9 +35,9 @@ from sklearn.datasets import load_digits
 
 from laplace_diffjac.backends import as_backend
 from laplace_diffjac.context import ContextPosterior, optimize_locations
-from laplace_diffjac.context._objective import batch_gap
-from laplace_diffjac.context._routes import make_route
-from laplace_diffjac.context._training_cache import TrainingCache, training_hessians
+from laplace_diffjac.context.locations._gap import batch_gap
+from laplace_diffjac.context.locations._routes import make_route
+from laplace_diffjac.context.locations._training_cache import TrainingCache, training_hessians
 from laplace_diffjac.kernels import feature_gram, output_hessians, structured_features
 
 HERE = os.path.dirname(os.path.abspath(__file__))

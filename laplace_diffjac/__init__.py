@@ -10,24 +10,35 @@ The subpackages are the layers, each importing only those above it in this list:
 * :mod:`laplace_diffjac.jacobians` — the Jacobian engine (no laplace-torch);
 * :mod:`laplace_diffjac.backends` — laplace-torch curvature backends on the engine;
 * :mod:`laplace_diffjac.kernels` — the NTK and likelihood Hessians;
-* :mod:`laplace_diffjac.context` — location optimiser and context posteriors;
+* :mod:`laplace_diffjac.data` — the one reading of training data, and the sums
+  over a ``torch.distributed`` group;
+* :mod:`laplace_diffjac.context` — the location optimiser (``context.locations``)
+  and the context posterior (``context.posterior``);
 * :mod:`laplace_diffjac.laplace_integration` — registration with laplace-torch
-  (its estimators accept our backends, its factory builds our posteriors) and
-  ``patch_laplace``;
+  (its estimators accept our backends, its factory builds our posteriors),
+  ``patch_laplace`` and ``LocationFunctionalLaplace``;
 * :mod:`laplace_diffjac.examples` — data and training for demos and notebooks.
 """
 
 from .backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from .context import (
     ContextPosterior,
-    LocationFunctionalLaplace,
-    functional_laplace_on_locations,
+    LocationResult,
+    LocationSettings,
+    evidence_loss_backward,
     nystrom_gap,
     optimize_locations,
 )
+from .data import TrainingData
 from .errors import InvalidInputError, UnsupportedModuleError
 from .kernels import ntk, ntk_diag
-from .laplace_integration import patch_laplace, register, unregister
+from .laplace_integration import (
+    LocationFunctionalLaplace,
+    functional_laplace_on_locations,
+    patch_laplace,
+    register,
+    unregister,
+)
 
 __all__ = [
     "ContextPosterior",
@@ -36,7 +47,11 @@ __all__ = [
     "DiffFuncGGN",
     "InvalidInputError",
     "LocationFunctionalLaplace",
+    "LocationResult",
+    "LocationSettings",
+    "TrainingData",
     "UnsupportedModuleError",
+    "evidence_loss_backward",
     "functional_laplace_on_locations",
     "ntk",
     "ntk_diag",

@@ -1,36 +1,64 @@
 """Context locations: choose them through the NTK and use them in a posterior.
 
-``optimize_locations`` moves ``M`` locations to minimise the likelihood-weighted
-Nyström gap (``nystrom_gap``), starting from a random subset or k-means
-(``random_subset``, ``kmeans``). ``ContextPosterior`` is the DTC linearised-Laplace
-posterior that sees all ``N`` training points through the locations;
-``LocationFunctionalLaplace`` is laplace-torch's ``FunctionalLaplace`` on given
-locations. ``evidence_loss_backward`` is the posterior's evidence bound as an
-objective in the locations and the hyperparameters (exact full-data gradient).
+Two products over one data layer (:mod:`laplace_diffjac.data`):
+
+* :mod:`.locations` — ``optimize_locations`` moves ``M`` locations to minimise the
+  likelihood-weighted Nyström gap (``nystrom_gap``), starting from a random subset
+  or k-means (``random_subset``, ``kmeans``), with its options in
+  ``LocationSettings``;
+* :mod:`.posterior` — ``ContextPosterior``, the DTC linearised-Laplace posterior
+  that sees all ``N`` training points through the locations, and
+  ``evidence_loss_backward``, its evidence bound as an objective in the locations
+  and the hyperparameters (exact full-data gradient).
+
+``locations`` may import ``posterior`` (the evidence objective), never the other
+way round. laplace-torch's ``FunctionalLaplace`` on given locations,
+``LocationFunctionalLaplace``, lives with the rest of the laplace-torch code in
+:mod:`laplace_diffjac.laplace_integration`; the old names here still work.
 """
 
-from ._evidence_objective import evidence_loss_backward
-from ._functional_laplace import (
-    LocationFunctionalLaplace,
-    functional_laplace_on_locations,
+import warnings
+from typing import Any
+
+from .locations import (
+    LocationHistory,
+    LocationResult,
+    LocationSettings,
+    initial_locations,
+    kmeans,
+    nystrom_gap,
+    optimize_locations,
+    random_subset,
 )
-from ._init import initial_locations, kmeans, random_subset
-from ._objective import nystrom_gap
-from ._optimizer import LocationHistory, LocationResult, optimize_locations
-from ._posterior import ContextPosterior
-from ._settings import LocationSettings
+from .posterior import ContextPosterior, evidence_loss_backward
 
 __all__ = [
     "ContextPosterior",
-    "LocationFunctionalLaplace",
     "LocationHistory",
     "LocationResult",
     "LocationSettings",
     "evidence_loss_backward",
-    "functional_laplace_on_locations",
     "initial_locations",
     "kmeans",
     "nystrom_gap",
     "optimize_locations",
     "random_subset",
 ]
+
+_MOVED = ("LocationFunctionalLaplace", "functional_laplace_on_locations")
+
+
+def __getattr__(name: str) -> Any:
+    """The names that moved to :mod:`laplace_diffjac.laplace_integration` (0.1.0)."""
+    if name in _MOVED:
+        import laplace_diffjac.laplace_integration as integration
+
+        warnings.warn(
+            f"laplace_diffjac.context.{name} moved to "
+            f"laplace_diffjac.laplace_integration.{name} (also "
+            f"laplace_diffjac.{name}); the old name will be removed.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(integration, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,12 +41,8 @@ import torch
 from laplace import Laplace
 
 from ..backends import DiffBackPackGGN
-from ..context import (
-    ContextPosterior,
-    LocationFunctionalLaplace,
-    LocationHistory,
-    random_subset,
-)
+from ..context import ContextPosterior, LocationHistory, random_subset
+from ..laplace_integration import LocationFunctionalLaplace
 from ._hyperparameters import choose_prior_precision
 from ._problem import Problem, latent_variance, make_problem
 from .settings import DemoSettings

@@ -3,11 +3,17 @@
 ``register``/``unregister`` make every estimator accept this package's backends
 (``_registration``); ``patch_laplace`` swaps laplace-torch's BackPACK backends for
 ours while active (``_drop_in``). Both are reversible replacements of single class
-attributes (``_patching``), decided by ``issubclass``.
+attributes (``_patching``), decided by ``issubclass``. ``LocationFunctionalLaplace``
+is laplace-torch's ``FunctionalLaplace`` on given locations
+(``_functional_laplace``), the one subclass of a laplace-torch estimator here.
 """
 
 from ._compat import LAPLACE_VERSION
 from ._drop_in import LaplacePatch, is_patched, patch_laplace
+from ._functional_laplace import (
+    LocationFunctionalLaplace,
+    functional_laplace_on_locations,
+)
 from ._registration import (
     is_registered,
     is_side_effect_free,
@@ -18,8 +24,10 @@ from ._registration import (
 __all__ = [
     "LAPLACE_VERSION",
     "LaplacePatch",
+    "LocationFunctionalLaplace",
     "is_patched",
     "is_registered",
+    "functional_laplace_on_locations",
     "is_side_effect_free",
     "patch_laplace",
     "register",

@@ -1,0 +1,310 @@
+"""Optimise context locations: minimise the Nyström gap with Adam on minibatches.
+
+The objective is :func:`laplace_diffjac.context.nystrom_gap`. In memory,
+everything that does not depend on the locations (``Λₙ``, ``tr(Λₙ k(xₙ, xₙ))``
+and, when they fit, the training inputs' kernel pieces) is computed once
+(:mod:`._training_cache`); streamed (:mod:`._streaming`), they are computed for
+each step's batch only. Under ``torch.distributed`` every rank evaluates its part
+of the minibatch and the parts are all-reduced (:mod:`._sharding`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+from tqdm import tqdm
+
+from ...backends import BackendSpec, as_backend
+from ...data import (
+    Data,
+    TrainingData,
+    all_reduce_sum,
+    check_finite,
+    check_fits_model,
+    check_like_model,
+    check_likelihood,
+    check_same_on_ranks,
+    rank,
+    shard_offsets,
+)
+from ...kernels import PriorPrecision
+from ._evidence_steps import check_objective, optimise_evidence
+from ._gap import batch_gap
+from ._init import check_init_size, sharded_initial_locations
+from ._minibatches import EarlyStopping, InMemorySource, Source
+from ._result import LocationHistory, LocationResult
+from ._routes import Route, make_route
+from ._settings import LocationSettings, resolve_settings
+from ._sharding import default_lr, sync_gradient
+from ._streaming import StreamSource, feature_shape, scan, streamed_initial_locations
+from ._training_cache import TrainingCache, training_hessians
+
+__all__ = ["optimize_locations"]
+
+
+def optimize_locations(
+    model: nn.Module,
+    likelihood: str,
+    data: Data,
+    m: int,
+    init: str | torch.Tensor = "kmeans",
+    backend: BackendSpec = None,
+    prior_precision: PriorPrecision = 1.0,
+    sigma_noise: float | torch.Tensor = 1.0,
+    temperature: float = 1.0,
+    settings: LocationSettings | None = None,
+    objective: str = "gap",
+    learn_hyperparameters: bool = False,
+    **options: Any,
+) -> LocationResult:
+    """Choose ``M`` context locations that minimise the likelihood-weighted Nyström gap.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The trained network (MAP); it is not changed.
+    likelihood : {'regression', 'classification'}
+        Determines ``Λₙ`` (see :func:`laplace_diffjac.kernels.output_hessians`).
+    data : DataLoader, torch.Tensor or tuple
+        Training data (this rank's shard under ``torch.distributed``): a loader
+        of ``(x, y)`` batches, inputs ``(N, ...)`` or ``(x, y)``. Only the inputs
+        are used, cast to the model's dtype. In memory (the default for tensors
+        and indexable loaders) they are gathered once (memory linear in ``N``)
+        and minibatches are drawn from them; a streamed loader (see Notes) is
+        never gathered.
+    m : int
+        Number of locations ``M``, ``1 <= M <= N``.
+    init : {'kmeans', 'random'} or torch.Tensor, default='kmeans'
+        Initialisation strategy or initial locations ``(M, *input_shape)`` in the
+        model's dtype and on its device.
+    backend : type or backend instance, optional
+        Jacobian backend; default ``DiffBackPackGGN``.
+    prior_precision : float or torch.Tensor, default=1.0
+        Scalar or per-parameter prior precision (the kernel is ``J Σ₀ Jᵀ``).
+    sigma_noise : float or torch.Tensor, default=1.0
+        Observation noise for regression.
+    temperature : float, default=1.0
+        Likelihood temperature.
+    settings : LocationSettings, optional
+        The optimiser's options as one object (default: ``LocationSettings()``);
+        its fields are documented there.
+    objective : {'gap', 'evidence'}, default='gap'
+        ``'gap'``: the Nyström gap, minibatched without bias, no targets needed.
+        ``'evidence'``: minus the context posterior's evidence bound (its trace
+        correction is half the gap), exact on all data every step (two passes;
+        needs targets and a scalar prior precision); see
+        :mod:`laplace_diffjac.context.locations._evidence_steps`.
+    learn_hyperparameters : bool, default=False
+        With ``objective='evidence'``: also learn ``log δ`` and (regression)
+        ``log σ``, starting from ``prior_precision`` and ``sigma_noise``; the
+        result carries them.
+    **options
+        Any field of :class:`LocationSettings` by name, applied on top of
+        ``settings`` (a keyword is never dropped): ``steps=200``, ``lr=None``,
+        ``batch_size=256``, ``patience=50``, ``rel_tol=1e-4``, ``jitter=1e-6``,
+        ``seed=0``, ``progress_bar=True``, ``chunk_size=256``,
+        ``cache_jacobians=None``, ``evaluate_full=False``, ``structured=None``,
+        ``stream=None``, ``max_inputs=10000``.
+
+    Returns
+    -------
+    LocationResult
+        ``locations`` ``(M, *input_shape)`` (detached, on the model's device) and
+        the history.
+
+    Raises
+    ------
+    InvalidInputError
+        Before any work starts: for an unknown likelihood, an option out of
+        range or unknown, ``m`` outside ``[1, N]``, an unknown ``init``,
+        non-finite inputs or locations, inputs or locations the model does not
+        accept, or locations in another dtype or on another device than the
+        model.
+    ValueError
+        For an invalid prior precision, or ``structured=True`` where the
+        structured route does not apply.
+
+    Notes
+    -----
+    **Streaming** (``settings.stream=True`` with a ``DataLoader``, or by default
+    a loader over an ``IterableDataset``, which must be finite): one pass over
+    the loader gives ``N``, the default ``lr`` (streaming per-feature mean and
+    variance) and the initial locations (``'random'``: a uniform random subset
+    drawn by bottom-``m`` random keys; ``'kmeans'``: k-means on such a subset
+    of ``max(m, max_inputs)`` inputs). Each step's minibatch is then the
+    loader's next batch (the iterator restarts at its end), with ``Λₙ`` and
+    the pieces computed for that batch only; the estimate is ``N / b`` times
+    the batch sum (unbiased when the loader's batches are uniform draws, e.g.
+    ``shuffle=True``). Memory holds one batch and the sample, never ``N``.
+
+    **torch.distributed** (a process group is initialised, e.g. by
+    ``torchrun``): ``data`` on each rank is that rank's shard; the shards in
+    rank order form the data set (``N`` is the sum of their sizes; a shard may
+    be empty). In memory, each step's minibatch is the same set of global
+    indices the single-process run draws on the concatenated data; each rank
+    evaluates the part it owns, and the partial objective and gradient in
+    ``Z`` are all-reduced (summed) before the Adam step, so ``Z`` is identical
+    on every rank and equal to the single-process result up to the order of
+    floating-point sums. ``'random'`` and ``'kmeans'`` draw the same global
+    indices as a single process (k-means on all inputs when
+    ``N <= max_inputs``, else on a random subset of ``max_inputs`` of them, in
+    both cases); a given ``init`` must be equal on every rank (checked by a
+    checksum). Early stopping and ``evaluate_full`` use the all-reduced
+    objective, so every rank stops at the same step. Streamed, each rank
+    draws from its own loader and the objective is the sum over ranks scaled
+    by ``N / b`` with the global ``N`` and batch size ``b``.
+
+    """
+    s = resolve_settings(settings, options)
+    check_likelihood(likelihood)
+    check_objective(objective, learn_hyperparameters, prior_precision)
+    device = next(model.parameters()).device
+    jacobian_backend = as_backend(model, likelihood, backend)
+    route = make_route(jacobian_backend, prior_precision, s.structured, device)
+    hessian_args = (likelihood, sigma_noise, temperature, s.chunk_size)
+    loader = _streamed_loader(data, s)
+    if loader is not None:
+        source, Z0, lr = _streamed(model, loader, m, init, route, hessian_args, s)
+    else:
+        source, Z0, lr = _in_memory(model, data, m, init, route, hessian_args, s)
+    if objective == "evidence":
+        hyper = (prior_precision, sigma_noise, temperature)
+        return optimise_evidence(
+            jacobian_backend, data, likelihood, Z0.to(device), lr, hyper,
+            learn_hyperparameters, s,
+        )  # fmt: skip
+    return _optimise(route, source, Z0.to(device), lr, s)
+
+
+def _streamed_loader(data: Data, s: LocationSettings) -> DataLoader | None:
+    """The loader if it is to be streamed (see ``LocationSettings.stream``)."""
+    if not isinstance(data, DataLoader):
+        return None
+    stream = s.stream
+    if stream is None:
+        stream = isinstance(data.dataset, IterableDataset)
+    return data if stream else None
+
+
+def _check_given_init(
+    model: nn.Module, n: int, shape: tuple[int, ...], m: int, init: object
+) -> None:
+    check_init_size(n, shape, m, init)
+    if isinstance(init, torch.Tensor):
+        check_like_model(init, "init", model)
+        check_finite(init, "init")
+        check_same_on_ranks(init, "init")
+
+
+def _in_memory(
+    model: nn.Module,
+    data: Data,
+    m: int,
+    init: str | torch.Tensor,
+    route: Route,
+    hessian_args: tuple,
+    s: LocationSettings,
+) -> tuple[Source, torch.Tensor, float]:
+    """Gather and cache this rank's shard; initial locations and ``lr``."""
+    param = next(model.parameters())
+    X, _ = TrainingData(data, s.chunk_size, "data").gather(in_order=True)
+    check_finite(X, "data")
+    offsets = shard_offsets(X.shape[0], param.device)
+    lo, n = offsets[rank()], offsets[-1]
+    _check_given_init(model, n, tuple(X.shape[1:]), m, init)
+    X = X.to(param.dtype)
+    if X.shape[0]:
+        check_fits_model(X, "data", model)
+    if isinstance(init, torch.Tensor):
+        Z0 = init.detach().clone()
+    else:
+        gen = torch.Generator().manual_seed(s.seed)
+        Z0 = sharded_initial_locations(
+            X, lo, n, m, init, gen, s.max_inputs, param.device
+        )
+    lam = training_hessians(model, X, *hessian_args)
+    cache = TrainingCache(route, X, lam, s.cache_jacobians, s.chunk_size)
+    lr = (
+        s.lr
+        if s.lr is not None
+        else default_lr(torch.split(X, s.chunk_size), param.device)
+    )
+    return InMemorySource(cache, lo, n, s.batch_size, s.seed), Z0, lr
+
+
+def _streamed(
+    model: nn.Module,
+    loader: DataLoader,
+    m: int,
+    init: str | torch.Tensor,
+    route: Route,
+    hessian_args: tuple,
+    s: LocationSettings,
+) -> tuple[Source, torch.Tensor, float]:
+    """One pass over this rank's loader; a source serving its batches."""
+    device = next(model.parameters()).device
+    keep = 0 if isinstance(init, torch.Tensor) else m
+    if init == "kmeans":
+        keep = max(m, s.max_inputs)
+    found = scan(loader, model, keep, s.seed, device)
+    n = int(all_reduce_sum(torch.tensor([found.n], device=device)))
+    shape = feature_shape(found, device)
+    _check_given_init(model, n, shape, m, init)
+    if isinstance(init, torch.Tensor):
+        Z0 = init.detach().clone()
+    else:
+        Z0 = streamed_initial_locations(found, shape, m, init, s.seed, device)
+    lr = s.lr if s.lr is not None else found.lr
+    return StreamSource(loader, model, route, n, found.n, hessian_args), Z0, lr
+
+
+def _optimise(
+    route: Route, source: Source, Z0: torch.Tensor, lr: float, s: LocationSettings
+) -> LocationResult:
+    history = LocationHistory()
+    if s.evaluate_full:
+        history.initial_objective = _full_gap(route, source, Z0, s)
+    Z = Z0.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([Z], lr=lr)
+    stopper = EarlyStopping(s.patience, s.rel_tol)
+    start = time.perf_counter()
+    bar = tqdm(range(s.steps), desc="Locations", disable=not s.progress_bar)
+    for _ in bar:
+        part = source.next_local()
+        if part is None:
+            loss, grad, b = Z.new_zeros((), dtype=torch.float64), torch.zeros_like(Z), 0
+        else:
+            pieces, lam, trace = part
+            z_pieces = route.pieces(Z, graph=True)
+            loss = batch_gap(route, z_pieces, pieces, lam, trace, s.jitter)
+            (grad,) = torch.autograd.grad(loss, Z)
+            b = len(trace)
+        value, Z.grad, _ = sync_gradient(loss, grad, b, source.n)
+        optimizer.step()
+        history.objective.append(value)
+        history.time.append(time.perf_counter() - start)
+        bar.set_postfix(objective=f"{value:.4g}")
+        if stopper.stop(value):
+            history.stopped_early = True
+            break
+    bar.close()
+    locations = Z.detach()
+    if s.evaluate_full:
+        history.final_objective = _full_gap(route, source, locations, s)
+    return LocationResult(locations, history)
+
+
+def _full_gap(
+    route: Route, source: Source, Z: torch.Tensor, s: LocationSettings
+) -> float:
+    """The gap over all ``N`` inputs (summed over ranks)."""
+    total = torch.zeros((), dtype=torch.float64, device=Z.device)
+    with torch.no_grad():
+        z_pieces = route.pieces(Z, graph=False)
+        for pieces, lam, trace in source.full_local():
+            total += batch_gap(route, z_pieces, pieces, lam, trace, s.jitter)
+    return float(all_reduce_sum(total.reshape(1)))

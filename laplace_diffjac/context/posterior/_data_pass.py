@@ -1,0 +1,60 @@
+"""One pass over the training data, adding each batch's sums to the statistics."""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from ...backends import JacobianBackend
+from ...data import TrainingData
+from ._hyperparameters import PriorGroups
+from ._statistics import Accumulators
+
+__all__ = ["accumulate", "model_jacobians"]
+
+
+def model_jacobians(
+    backend: JacobianBackend, x: torch.Tensor, enable_backprop: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jacobians ``(b, C, P)`` and outputs ``(b, C)`` (last-layer aware)."""
+    if getattr(backend, "last_layer", False):
+        return backend.last_layer_jacobians(x, enable_backprop=enable_backprop)
+    return backend.jacobians(x, enable_backprop=enable_backprop)
+
+
+def accumulate(
+    backend: JacobianBackend,
+    likelihood: str,
+    acc: Accumulators,
+    groups: PriorGroups,
+    data: TrainingData,
+    feature_shape: torch.Size,
+    progress_bar: bool,
+) -> None:
+    """Add this process's data to ``acc``, one batch of inputs/Jacobians at a time.
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        The Jacobian backend (its model fixes dtype and device).
+    likelihood : {'regression', 'classification'}
+        The likelihood.
+    acc : Accumulators
+        Sums to add to (not reduced over ranks here).
+    groups : PriorGroups
+        The prior groups of ``acc``.
+    data : TrainingData
+        The data; a loader (also over an ``IterableDataset``) is iterated once.
+    feature_shape : torch.Size
+        The locations' ``input_shape``, which every batch must have.
+    progress_bar : bool
+        Show a tqdm progress bar.
+
+    """
+    param = next(iter(backend.model.parameters()))
+    batches = data.checked_batches(param.dtype, feature_shape)
+    for xb, yb in tqdm(batches, disable=not progress_bar):
+        with torch.no_grad():
+            Js, f = model_jacobians(backend, xb.to(param.device), False)
+        acc.add(Js, f, yb, groups, likelihood)
+        del Js, f

@@ -1,0 +1,751 @@
+"""Linearised-Laplace posterior seeing all ``N`` points through ``M`` locations.
+
+DTC / Nyström form with the GGN likelihood Hessian. With the prior-scaled NTK
+``K = J Σ₀ Jᵀ``, locations ``Z`` and the GGN likelihood Hessians
+``Λ = blockdiag(Λₙ)`` of all training points, the latent posterior covariance at
+test inputs is::
+
+    Σ** = K** − K*Z (K_ZZ⁻¹ − (K_ZZ + K_ZX Λ K_XZ)⁻¹) K_Z*
+
+and the mean is the MAP network's output. ``fit`` accumulates ``K_ZX Λ K_XZ`` (per
+prior group, without ``1 / (σ² T)``; ``_statistics``) batch by batch, all-reduced over
+a ``torch.distributed`` group. With ``Z = X`` and an invertible ``K_XX``
+this is the full-data GGN Laplace and ``log_marginal_likelihood`` its evidence,
+else a lower bound (derivation in ``_evidence``). In float64, ``K_ZZ = L Lᵀ``,
+``L⁻¹ (K_ZX Λ K_XZ) L⁻ᵀ = U diag(s) Uᵀ``, ``W = L⁻ᵀ U diag(√(s / (1 + s)))`` and
+``Σ** = K** − (K*Z W)(K*Z W)ᵀ``: no inverse of ``Λ`` (singular for softmax). The
+factor is rebuilt whenever a hyperparameter changed: never a stale answer.
+
+The class owns everything a laplace-torch user calls on a Laplace object:
+hyperparameters (validated as laplace-torch's setters do), the evidence and its
+terms, ``optimize_prior_precision`` (:mod:`._tuning`), saving, and the predictive.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ...backends import BackendSpec, DiffBackPackGGN, JacobianBackend, as_backend
+from ...data import Data, TrainingData, check_inputs, is_distributed
+from ...errors import InvalidInputError
+from ...kernels import PriorPrecision, flat_gram, jacobians, n_jacobian_columns
+from . import _tuning
+from ._data_pass import accumulate, model_jacobians
+from ._evidence import evidence_terms, log_likelihood
+from ._factor_cache import FactorCache
+from ._hyperparameters import (
+    PriorGroups,
+    check_prior_precision,
+    check_sigma_noise,
+    expand_precision,
+    infer_structure,
+)
+from ._predictive import gaussian_samples, link_probabilities
+from ._statistics import Accumulators, reduce_accumulators
+
+__all__ = ["ContextPosterior", "layer_sizes"]
+
+_FORMAT = "laplace_diffjac.ContextPosterior/1"
+
+
+def layer_sizes(backend: JacobianBackend) -> list[int]:
+    """Parameters per parameter tensor, or ``[P]`` when the columns are a subset."""
+    P = n_jacobian_columns(backend)
+    sizes = [p.numel() for p in backend.params]
+    return sizes if sum(sizes) == P else [P]
+
+
+class ContextPosterior:
+    """DTC linearised-Laplace posterior through context locations.
+
+    Call it like a laplace-torch Laplace object: ``la(x)`` returns ``(mean, var)``
+    for regression (latent variance without observation noise, as laplace-torch)
+    and class probabilities for classification. ``log_marginal_likelihood``,
+    ``optimize_prior_precision``, ``state_dict`` and ``load_state_dict`` work as
+    laplace-torch's.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Trained network (MAP); not changed.
+    likelihood : {'regression', 'classification'}
+        The likelihood.
+    locations : torch.Tensor
+        Context locations ``Z``, ``(M, *input_shape)``, finite, in the model's dtype.
+    sigma_noise : float or torch.Tensor, default=1.0
+        Observation noise (regression); may be changed after ``fit``.
+    prior_precision : float or torch.Tensor, default=1.0
+        Scalar, layerwise ``(n_layers,)`` or per-parameter ``(P,)``.
+    temperature : float, default=1.0
+        Likelihood temperature; may be changed after ``fit``.
+    backend : type or backend instance, default=DiffBackPackGGN
+        Jacobian backend.
+    enable_backprop : bool, default=False
+        Keep predictions differentiable with respect to the test inputs.
+    jitter : float, default=1e-8
+        Diagonal jitter of ``K_ZZ`` relative to its mean diagonal entry.
+    batch_size : int, default=256
+        Minibatch size when ``fit`` gets tensors.
+    prior_mean : float or torch.Tensor, default=0.0
+        Prior mean ``μ₀`` (scalar or ``(P,)``); enters the evidence only.
+    prior_structure : {'scalar', 'layerwise', 'diag'}, optional
+        Which prior precisions may be set after ``fit`` without a new pass over
+        the data (default: that of ``prior_precision``); see
+        :mod:`._hyperparameters`. ``'layerwise'`` keeps ``n_layers²`` blocks of
+        ``(MC)²``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown likelihood, ``sigma_noise != 1`` with classification or an
+        invalid prior precision or structure.
+    InvalidInputError
+        For locations that are not finite, not in the model's dtype or not batched.
+
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        locations: torch.Tensor,
+        sigma_noise: float | torch.Tensor = 1.0,
+        prior_precision: PriorPrecision = 1.0,
+        temperature: float = 1.0,
+        backend: BackendSpec = DiffBackPackGGN,
+        enable_backprop: bool = False,
+        jitter: float = 1e-8,
+        batch_size: int = 256,
+        prior_mean: float | torch.Tensor = 0.0,
+        prior_structure: str | None = None,
+    ) -> None:
+        if likelihood not in ("regression", "classification"):
+            raise ValueError(
+                "likelihood must be 'regression' or 'classification', got "
+                f"{likelihood!r}."
+            )
+        param = next(iter(model.parameters()))
+        check_inputs(locations, "locations", param.dtype, None)
+        self.model = model
+        self.likelihood = likelihood
+        self.locations = locations.detach()
+        self.backend = as_backend(model, likelihood, backend)
+        self._dtype, self._device = param.dtype, param.device
+        self._layer_sizes = layer_sizes(self.backend)
+        self.prior_precision = prior_precision
+        self.sigma_noise = sigma_noise
+        self.temperature = temperature
+        self.prior_mean = prior_mean
+        infer_structure(prior_structure, self.prior_precision, self.n_layers)
+        self._structure_request = prior_structure
+        self.enable_backprop = enable_backprop
+        self.jitter = jitter
+        self.batch_size = batch_size
+        self._acc: Accumulators | None = None
+        self._groups: PriorGroups | None = None
+        self._factors = FactorCache()
+
+    def fit(self, train_loader: Data, progress_bar: bool = False) -> ContextPosterior:
+        """Accumulate the data's sums (``K_ZX Λ K_XZ``, GGN diagonal, loss).
+
+        Parameters
+        ----------
+        train_loader : DataLoader, torch.Tensor or tuple
+            Training data: a loader of ``(x, y)`` batches (also over an
+            ``IterableDataset``; one batch is held at a time), inputs or
+            ``(x, y)``. The posterior needs no targets; the evidence does.
+            Under ``torch.distributed``: this rank's shard (may be empty); the
+            sums are all-reduced, so every rank gets the same posterior. Every
+            rank must call ``fit``.
+        progress_bar : bool, default=False
+            Show a tqdm progress bar.
+
+        Returns
+        -------
+        ContextPosterior
+            ``self``.
+
+        Raises
+        ------
+        InvalidInputError
+            For training inputs that are not finite, have another feature shape
+            than the locations or another dtype than the model (before any work
+            for tensors; for a loader the posterior is left as it was), for a
+            ``DistributedSampler`` that pads its shards with repeated points, or
+            if there are no training points at all.
+
+        """
+        data = TrainingData(train_loader, self.batch_size, "train_loader")
+        data.check(self._dtype, self.locations.shape[1:])
+        prec = self.prior_precision.detach()
+        structure = infer_structure(self._structure_request, prec, self.n_layers)
+        groups = PriorGroups.build(structure, prec, self._layer_sizes)
+        Z = self.locations.to(self._device)
+        J_z = jacobians(self.backend, Z, enable_backprop=False).to(torch.float64)
+        acc = Accumulators.empty(J_z.detach(), groups)
+        shape = self.locations.shape[1:]
+        accumulate(
+            self.backend, self.likelihood, acc, groups, data, shape, progress_bar
+        )
+        reduce_accumulators(acc)
+        if acc.n_data == 0:
+            raise InvalidInputError(
+                "train_loader yielded no training points (on any rank); pass the "
+                "training data."
+            )
+        self._acc, self._groups = acc, groups
+        self._factors.clear()
+        return self
+
+    def update(
+        self, x_new: torch.Tensor, y_new: torch.Tensor | None = None
+    ) -> ContextPosterior:
+        """Fold new data into the posterior without touching the old data.
+
+        Costs ``O(b (MC)²)`` per group pair plus the new Jacobians; the result
+        equals ``fit`` on the union of the data (the sums are additive).
+
+        Parameters
+        ----------
+        x_new : torch.Tensor
+            ``(b, *input_shape)``; under ``torch.distributed`` this rank's new
+            points (``b = 0`` allowed), reduced over the ranks like ``fit``'s;
+            every rank must call ``update``.
+        y_new : torch.Tensor, optional
+            ``(b, ...)`` targets; without them the evidence is unavailable.
+
+        Returns
+        -------
+        ContextPosterior
+            ``self``.
+
+        Raises
+        ------
+        RuntimeError
+            Before ``fit``.
+        InvalidInputError
+            As for :meth:`fit`.
+
+        """
+        acc, groups = self._fitted()
+        shape = self.locations.shape[1:]
+        check_inputs(x_new, "x_new", self._dtype, shape, allow_empty=is_distributed())
+        data = TrainingData((x_new, y_new), self.batch_size, "x_new")
+        new = acc.zeros_like()
+        accumulate(self.backend, self.likelihood, new, groups, data, shape, False)
+        reduce_accumulators(new)  # only the new sums: the old ones are reduced
+        acc.merge(new)
+        self._factors.clear()
+        return self
+
+    @property
+    def n_params(self) -> int:
+        """Number ``P`` of parameters (Jacobian columns)."""
+        return sum(self._layer_sizes)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of parameter tensors (the length of a layerwise prior)."""
+        return len(self._layer_sizes)
+
+    @property
+    def n_outputs(self) -> int:
+        """Number ``C`` of outputs (after ``fit``)."""
+        return int(self._fitted()[0].J_z.shape[1])
+
+    @property
+    def n_data(self) -> int:
+        """Number ``N`` of training points accumulated (0 before ``fit``)."""
+        return 0 if self._acc is None else self._acc.n_data
+
+    @property
+    def fitted_prior_structure(self) -> str | None:
+        """The prior structure ``fit`` kept sums for, or ``None`` before ``fit``."""
+        return None if self._groups is None else self._groups.structure
+
+    @property
+    def prior_precision(self) -> torch.Tensor:
+        """Prior precision ``(1,)``, ``(n_layers,)`` or ``(P,)``; settable."""
+        return self._prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | torch.Tensor) -> None:
+        self._prior_precision = check_prior_precision(
+            value, self.n_layers, self.n_params, self._dtype, self._device
+        )
+
+    @property
+    def sigma_noise(self) -> torch.Tensor:
+        """Observation noise ``()``; settable (regression)."""
+        return self._sigma_noise
+
+    @sigma_noise.setter
+    def sigma_noise(self, value: float | torch.Tensor) -> None:
+        self._sigma_noise = check_sigma_noise(
+            value, self.likelihood, self._dtype, self._device
+        )
+
+    @property
+    def prior_mean(self) -> torch.Tensor:
+        """Prior mean ``()`` or ``(P,)``."""
+        return self._prior_mean
+
+    @prior_mean.setter
+    def prior_mean(self, value: float | torch.Tensor) -> None:
+        mean = torch.as_tensor(value, dtype=self._dtype, device=self._device)
+        if mean.numel() not in (1, self.n_params) or mean.ndim > 1:
+            raise ValueError(
+                f"prior_mean must be a scalar or have {self.n_params} entries."
+            )
+        self._prior_mean = mean.reshape(()) if mean.numel() == 1 else mean
+
+    @property
+    def prior_precision_diag(self) -> torch.Tensor:
+        """Per-parameter prior precision ``(P,)``."""
+        return expand_precision(self.prior_precision, self._layer_sizes)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """MAP parameters ``θ*`` ``(P,)``, the Jacobian columns' parameters."""
+        flat = torch.cat([p.detach().reshape(-1) for p in self.backend.params])
+        indices = getattr(self.backend, "subnetwork_indices", None)
+        if indices is not None:
+            return flat[indices]
+        return flat[flat.numel() - self.n_params :]
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """Training loss at the MAP, as laplace-torch's ``loss`` (after ``fit``)."""
+        return self._fitted()[0].loss
+
+    def _fitted(self) -> tuple[Accumulators, PriorGroups]:
+        if self._acc is None or self._groups is None:
+            raise RuntimeError("Call fit before predicting or computing the evidence.")
+        return self._acc, self._groups
+
+    def _scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Group variances ``(G,)``, per-parameter ``Σ₀`` ``(P,)``, ``h = 1/(σ² T)``."""
+        _, groups = self._fitted()
+        s = groups.group_variances(self.prior_precision, self._layer_sizes)
+        bounds = groups.bounds
+        sizes = torch.tensor([b - a for a, b in bounds], device=s.device)
+        prior_var = torch.repeat_interleave(s, sizes) * groups.weight.to(s)
+        sigma2 = self.sigma_noise.to(torch.float64).square()
+        h = (
+            1.0 / (sigma2 * self.temperature)
+            if self.likelihood == "regression"
+            else (
+                torch.ones((), dtype=torch.float64, device=s.device) / self.temperature
+            )
+        )
+        return s, prior_var, h
+
+    @property
+    def log_likelihood(self) -> torch.Tensor:
+        """``log p(y | θ*)`` on the training data, as laplace-torch's."""
+        acc, _ = self._fitted()
+        n_out = int(acc.J_z.shape[1])
+        return log_likelihood(
+            acc, self.likelihood, self.sigma_noise, self.temperature, n_out
+        )
+
+    @property
+    def scatter(self) -> torch.Tensor:
+        """``(θ* − μ₀)ᵀ P₀ (θ* − μ₀)``, as laplace-torch's."""
+        delta = (self.mean - self.prior_mean).to(torch.float64)
+        return (delta * self.prior_precision_diag.to(torch.float64)) @ delta
+
+    @property
+    def log_det_ratio(self) -> torch.Tensor:
+        """Upper bound on ``log det P − log det P₀`` through the locations.
+
+        ``log det(I + L⁻¹ K_ZX Λ K_XZ L⁻ᵀ) + Σₙ tr(Λₙ (kₙₙ − Qₙₙ))``; equal to
+        laplace-torch's ``log_det_ratio`` when ``Z = X`` (``K_XX`` invertible).
+        """
+        acc, _ = self._fitted()
+        s, prior_var, h = self._scales()
+        spectrum = self._factors.evidence_spectrum(acc, s, h, self.jitter)
+        log_det, trace = evidence_terms(acc, s, prior_var, h, self.jitter, spectrum)
+        return log_det + trace
+
+    def log_marginal_likelihood(
+        self,
+        prior_precision: torch.Tensor | None = None,
+        sigma_noise: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Lower bound on the GGN Laplace log evidence, exact when ``Z = X``.
+
+        ``log p(y | θ*) − ½ (scatter + log_det_ratio)`` (see
+        :mod:`~laplace_diffjac.context.posterior._evidence` for the derivation). As in
+        laplace-torch, given values overwrite the current ones; the result is
+        differentiable in them (scalar or layerwise prior precision, ``σ``).
+
+        Parameters
+        ----------
+        prior_precision : torch.Tensor, optional
+            ``(1,)``, ``(n_layers,)`` (needs ``prior_structure='layerwise'`` at
+            fit) or ``(P,)`` (only the value at fit, not differentiable).
+        sigma_noise : torch.Tensor, optional
+            Observation noise (regression only).
+
+        Returns
+        -------
+        torch.Tensor
+            ``()`` float64.
+
+        Raises
+        ------
+        ValueError
+            For ``sigma_noise`` with classification, a prior precision the fitted
+            sums cannot represent, or a fit without targets.
+        RuntimeError
+            Before ``fit``.
+
+        """
+        if prior_precision is not None:
+            self.prior_precision = prior_precision
+        if sigma_noise is not None:
+            if self.likelihood != "regression":
+                raise ValueError("Can only change sigma_noise for regression.")
+            self.sigma_noise = sigma_noise
+        return self.log_likelihood - 0.5 * (self.log_det_ratio + self.scatter)
+
+    def optimize_prior_precision(
+        self,
+        pred_type: str = "glm",
+        method: str = "marglik",
+        n_steps: int = 100,
+        lr: float = 1e-1,
+        init_prior_prec: float | torch.Tensor = 1.0,
+        prior_structure: str = "scalar",
+        val_loader: DataLoader | None = None,
+        loss: Any = None,
+        log_prior_prec_min: float = -4,
+        log_prior_prec_max: float = 4,
+        grid_size: int = 100,
+        link_approx: str = "probit",
+        n_samples: int = 100,
+        verbose: bool = False,
+        progress_bar: bool = False,
+        log_prior_prec_base: float = 10.0,
+        learn_sigma_noise: bool = False,
+    ) -> None:
+        """Choose the prior precision as laplace-torch's method of that name.
+
+        ``'marglik'``: Adam on the log prior precision (and, with
+        ``learn_sigma_noise=True``, log ``σ``, which laplace-torch only tunes in
+        ``marglik_training``) against :meth:`log_marginal_likelihood`, starting
+        from ``init_prior_prec`` with ``prior_structure`` ``'scalar'`` or
+        ``'layerwise'``. ``'gridsearch'``: the value on
+        ``log_prior_prec_base ** linspace(min, max, grid_size)`` with the smallest
+        validation ``loss`` (default: MSE for regression, NLL for classification)
+        of ``la(x, pred_type, link_approx, n_samples)``. Other arguments as in
+        laplace-torch.
+
+        Raises
+        ------
+        ValueError
+            For an unknown method or pred_type, a grid search without
+            ``val_loader``, a per-parameter marglik prior, or a layerwise one the
+            fit kept no sums for.
+
+        """
+        if pred_type not in ("glm", "gp"):
+            raise ValueError(f"pred_type must be 'glm' or 'gp', got {pred_type!r}.")
+        if method == "marglik":
+            if val_loader is not None:
+                warnings.warn(
+                    "`val_loader` will be ignored when `method` == 'marglik'. "
+                    "Do you mean to set `method = 'gridsearch'`?",
+                    stacklevel=2,
+                )
+            _tuning.marglik(
+                self,
+                init_prior_prec,
+                str(prior_structure),
+                n_steps,
+                lr,
+                learn_sigma_noise,
+                progress_bar,
+            )
+        elif method == "gridsearch":
+            grid = torch.logspace(
+                log_prior_prec_min,
+                log_prior_prec_max,
+                grid_size,
+                base=log_prior_prec_base,
+                dtype=torch.float64,
+            )
+            _tuning.gridsearch(
+                self,
+                val_loader,
+                loss,
+                grid,
+                pred_type,
+                link_approx,
+                n_samples,
+                progress_bar,
+            )
+        else:
+            raise ValueError(
+                f"method must be 'marglik' or 'gridsearch', got {method!r}."
+            )
+        if verbose:
+            print(f"Optimized prior precision is {self.prior_precision}.")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the posterior needs, tensors and plain values only.
+
+        Returns
+        -------
+        dict
+            Loadable with ``torch.load(weights_only=True)``.
+
+        Raises
+        ------
+        RuntimeError
+            Before ``fit``.
+
+        """
+        acc, groups = self._fitted()
+        return {
+            "format": _FORMAT,
+            "mean": self.mean,
+            "param_shapes": [list(p.shape) for p in self.backend.params],
+            "likelihood": self.likelihood,
+            "locations": self.locations,
+            "prior_precision": self.prior_precision.detach(),
+            "prior_mean": self.prior_mean.detach(),
+            "sigma_noise": self.sigma_noise.detach(),
+            "temperature": float(self.temperature),
+            "enable_backprop": bool(self.enable_backprop),
+            "jitter": float(self.jitter),
+            "prior_structure": groups.structure,
+            "group_bounds": [list(b) for b in groups.bounds],
+            "group_weight": groups.weight,
+            "accumulators": acc.to_state(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the model must be the saved one's.
+
+        Parameters
+        ----------
+        state_dict : dict
+            From :meth:`state_dict`.
+
+        Raises
+        ------
+        ValueError
+            If it is not a ContextPosterior state, or the parameter count, the
+            parameter shapes or the likelihood differ.
+
+        """
+        if state_dict.get("format") != _FORMAT:
+            raise ValueError(
+                "Loading a wrong Laplace type: not a ContextPosterior state."
+            )
+        if len(state_dict["mean"]) != self.n_params or state_dict["param_shapes"] != [
+            list(p.shape) for p in self.backend.params
+        ]:
+            raise ValueError(
+                "Attempting to load a ContextPosterior fitted on a model with "
+                "different parameters (count or shapes) than this one's."
+            )
+        if self.likelihood != state_dict["likelihood"]:
+            raise ValueError(
+                f"Different likelihoods: saved {state_dict['likelihood']!r}, this "
+                f"posterior {self.likelihood!r}."
+            )
+        self.locations = state_dict["locations"].to(self._device)
+        self.prior_precision = state_dict["prior_precision"]
+        self.prior_mean = state_dict["prior_mean"]
+        self.sigma_noise = state_dict["sigma_noise"]
+        self.temperature = state_dict["temperature"]
+        self.enable_backprop = state_dict["enable_backprop"]
+        self.jitter = state_dict["jitter"]
+        bounds = tuple(tuple(b) for b in state_dict["group_bounds"])
+        self._groups = PriorGroups(
+            state_dict["prior_structure"],
+            bounds,
+            state_dict["group_weight"],
+            self.n_layers,
+        )
+        self._acc = Accumulators.from_state(state_dict["accumulators"])
+        self._factors.clear()
+
+    def _factor(self) -> torch.Tensor:
+        acc, _ = self._fitted()
+        s, _, h = self._scales()
+        return self._factors.prediction_factor(acc, s, h, self.jitter)
+
+    def _kernel_prior_var(self) -> torch.Tensor:
+        """``Σ₀`` for test kernels: ``()`` if scalar-structured, else ``(P,)``."""
+        _, groups = self._fitted()
+        s, prior_var, _ = self._scales()
+        if groups.structure == "scalar":
+            return s.detach()[0]
+        return prior_var.detach()
+
+    def _k_star_z(self, Js: torch.Tensor) -> torch.Tensor:
+        """``K*Z`` as ``(B*, C, M*C)`` in float64."""
+        acc, _ = self._fitted()
+        K = flat_gram(Js.to(torch.float64), acc.J_z, self._kernel_prior_var())
+        return K.reshape(Js.shape[0], Js.shape[1], -1)
+
+    def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
+        """Latent posterior covariance per test input.
+
+        Parameters
+        ----------
+        Js : torch.Tensor
+            Jacobians at the test inputs, ``(B*, C, P)``.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(B*, C, C)`` in ``Js``'s dtype.
+
+        """
+        W = self._factor()
+        Js64 = Js.to(torch.float64)
+        var = self._kernel_prior_var()
+        K_ss = torch.einsum("bcp,bep->bce", Js64 * var, Js64)
+        V = self._k_star_z(Js) @ W  # (B*, C, r)
+        return (K_ss - V @ V.transpose(1, 2)).to(Js.dtype)
+
+    def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
+        """Joint latent posterior covariance of all test outputs.
+
+        Parameters
+        ----------
+        Js : torch.Tensor
+            Jacobians at the test inputs, ``(B*, C, P)``.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(B* C, B* C)``, ordered input-major as laplace-torch.
+
+        """
+        W = self._factor()
+        J = Js.to(torch.float64).reshape(-1, Js.shape[-1])
+        K_ss = (J * self._kernel_prior_var()) @ J.T
+        V = self._k_star_z(Js).reshape(J.shape[0], -1) @ W
+        return (K_ss - V @ V.T).to(Js.dtype)
+
+    def _glm_predictive_distribution(
+        self, x: torch.Tensor, joint: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        Js, f = model_jacobians(self.backend, x, self.enable_backprop)
+        if joint:
+            mean, var = f.flatten(), self.functional_covariance(Js)
+        else:
+            mean, var = f, self.functional_variance(Js)
+        if not self.enable_backprop:
+            return mean.detach(), var.detach()
+        return mean, var
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        pred_type: str = "glm",
+        joint: bool = False,
+        link_approx: str = "probit",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        fitting: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Posterior predictive, as laplace-torch's ``la(x, pred_type='glm')``.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Test inputs ``(B*, *input_shape)``.
+        pred_type : {'glm', 'gp'}, default='glm'
+            Both mean the linearised (GP) predictive.
+        joint : bool, default=False
+            Regression: return the joint ``(B* C,)`` mean and ``(B* C, B* C)``
+            covariance.
+        link_approx : {'probit', 'mc', 'bridge', 'bridge_norm'}, default='probit'
+            Classification link approximation.
+        n_samples : int, default=100
+            Samples for ``link_approx='mc'``.
+        diagonal_output : bool, default=False
+            Regression: return variances ``(B*, C)`` instead of ``(B*, C, C)``;
+            ``'mc'``: sample with a diagonal covariance.
+        generator : torch.Generator, optional
+            Random generator for ``'mc'``.
+        fitting : bool, default=False
+            Accepted for laplace-torch's ``validate``; no effect.
+
+        Returns
+        -------
+        torch.Tensor or tuple of torch.Tensor
+            Regression: ``(mean (B*, C), var (B*, C, C))`` without observation
+            noise (add ``sigma_noise**2`` for the predictive of ``y``).
+            Classification: probabilities ``(B*, C)``.
+
+        Raises
+        ------
+        ValueError
+            For an unsupported ``pred_type`` or ``link_approx``.
+
+        """
+        if pred_type not in ("glm", "gp"):
+            raise ValueError(f"pred_type must be 'glm' or 'gp', got {pred_type!r}.")
+        regression = self.likelihood == "regression"
+        f_mu, f_var = self._glm_predictive_distribution(x, joint=joint and regression)
+        if regression:
+            if diagonal_output and not joint:
+                f_var = f_var.diagonal(dim1=-2, dim2=-1)
+            return f_mu, f_var
+        return link_probabilities(
+            f_mu, f_var, link_approx, n_samples, diagonal_output, generator
+        )
+
+    def predictive_samples(
+        self,
+        x: torch.Tensor,
+        pred_type: str = "glm",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Samples of the predictive (softmax applied for classification).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            ``(B*, *input_shape)``.
+        pred_type : {'glm', 'gp'}, default='glm'
+            As laplace-torch's; both mean the linearised predictive.
+        n_samples : int, default=100
+            Number of samples.
+        diagonal_output : bool, default=False
+            Sample with diagonal output covariance.
+        generator : torch.Generator, optional
+            Random generator.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(n_samples, B*, C)``.
+
+        Raises
+        ------
+        ValueError
+            For an unsupported ``pred_type``.
+
+        """
+        if pred_type not in ("glm", "gp"):
+            raise ValueError(f"pred_type must be 'glm' or 'gp', got {pred_type!r}.")
+        f_mu, f_var = self._glm_predictive_distribution(x)
+        samples = gaussian_samples(f_mu, f_var, n_samples, diagonal_output, generator)
+        return samples if self.likelihood == "regression" else samples.softmax(-1)

@@ -1,0 +1,53 @@
+"""The data layer: one reading of every accepted form of training data.
+
+:class:`TrainingData` takes tensors, ``(x, y)``, a ``DataLoader`` (also over an
+``IterableDataset``) or a rank's shard under ``torch.distributed``, and answers
+what the location optimiser and the context posterior ask: batches, all inputs,
+size, checks. :mod:`._process_group` holds the sums over a process group (the
+identity without one), :mod:`._shards` a rank's rows of the data set, and
+:mod:`._checks` the checks every input passes where it enters.
+"""
+
+from ._checks import (
+    check_finite,
+    check_fits_model,
+    check_inputs,
+    check_like_model,
+    check_likelihood,
+)
+from ._process_group import (
+    all_reduce_sum,
+    check_same_on_ranks,
+    is_distributed,
+    max_over_ranks,
+    rank,
+    reduce_mean,
+    reduce_sum,
+    shard_offsets,
+    world_size,
+)
+from ._shards import assemble_rows, check_shard, local_indices
+from ._training_data import Data, SizedLoader, TrainingData
+
+__all__ = [
+    "Data",
+    "SizedLoader",
+    "TrainingData",
+    "all_reduce_sum",
+    "assemble_rows",
+    "check_finite",
+    "check_fits_model",
+    "check_inputs",
+    "check_like_model",
+    "check_likelihood",
+    "check_same_on_ranks",
+    "is_distributed",
+    "local_indices",
+    "max_over_ranks",
+    "rank",
+    "reduce_mean",
+    "reduce_sum",
+    "shard_offsets",
+    "world_size",
+    "check_shard",
+]
