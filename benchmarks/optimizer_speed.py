@@ -37,8 +37,13 @@ from laplace_diffjac.backends import as_backend
 from laplace_diffjac.context import ContextPosterior, optimize_locations
 from laplace_diffjac.context.locations._gap import batch_gap
 from laplace_diffjac.context.locations._routes import make_route
-from laplace_diffjac.context.locations._training_cache import TrainingCache, training_hessians
-from laplace_diffjac.kernels import feature_gram, output_hessians, structured_features
+from laplace_diffjac.context.locations._training_cache import (
+    TrainingCache,
+    training_hessians,
+)
+from laplace_diffjac.kernels import output_hessians
+from laplace_diffjac.kernels._structured import structured_features
+from laplace_diffjac.kernels._structured_features import feature_gram
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

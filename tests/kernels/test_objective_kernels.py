@@ -13,14 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_diffjac.kernels import (
-    cross_feature_gram,
-    explained_trace,
-    feature_gram,
-    output_hessians,
-    structured_features,
-)
+from laplace_diffjac.kernels import explained_trace, output_hessians
+from laplace_diffjac.kernels._cross_gram import cross_feature_gram
 from laplace_diffjac.kernels._products import symmetric_product
+from laplace_diffjac.kernels._structured import structured_features
+from laplace_diffjac.kernels._structured_features import feature_gram
 from tests.references import reference_jacobians
 
 F64 = torch.float64

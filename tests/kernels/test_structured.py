@@ -152,11 +152,11 @@ def _flat_reference(model, x1, x2, params=None):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_features_give_the_gram_and_its_diagonal(name: str) -> None:
-    from laplace_diffjac.kernels import (
+    from laplace_diffjac.kernels._structured import structured_features
+    from laplace_diffjac.kernels._structured_features import (
         NTKFeatures,
         feature_diag,
         feature_gram,
-        structured_features,
     )
 
     model = MODELS[name]()
@@ -181,7 +181,8 @@ def test_features_give_the_gram_and_its_diagonal(name: str) -> None:
 
 
 def test_features_with_frozen_weight_or_bias() -> None:
-    from laplace_diffjac.kernels import feature_diag, feature_gram, structured_features
+    from laplace_diffjac.kernels._structured import structured_features
+    from laplace_diffjac.kernels._structured_features import feature_diag, feature_gram
 
     model = _chain(nn.Tanh(), nn.Sigmoid())
     model[1].weight.requires_grad_(False)  # bias only in the first layer
@@ -207,7 +208,8 @@ def test_features_with_frozen_weight_or_bias() -> None:
 def test_symmetric_gram_value_and_gradient(name: str) -> None:
     """Equal to the reference Gram; gradient equal to autograd's for a symmetric
     consumer (a symmetric weighting), gradcheck in the inputs."""
-    from laplace_diffjac.kernels import structured_features, symmetric_feature_gram
+    from laplace_diffjac.kernels._structured import structured_features
+    from laplace_diffjac.kernels._symmetric_gram import symmetric_feature_gram
 
     model = MODELS[name]()
     x = _inputs(4, 8).requires_grad_(True)

@@ -23,19 +23,12 @@ from typing import Union
 import torch
 
 from ...backends import JacobianBackend
-from ...kernels import (
-    NTKFeatures,
-    PriorPrecision,
-    cross_feature_gram,
-    feature_diag,
-    flat_gram,
-    jacobians,
-    n_jacobian_columns,
-    prior_variance,
-    structured_applies,
-    structured_features,
-    symmetric_feature_gram,
-)
+from ...kernels import PriorPrecision, jacobians, n_jacobian_columns
+from ...kernels._cross_gram import cross_feature_gram
+from ...kernels._ntk import flat_gram, prior_variance, structured_applies
+from ...kernels._structured import structured_features
+from ...kernels._structured_features import NTKFeatures, feature_diag
+from ...kernels._symmetric_gram import symmetric_feature_gram
 
 Pieces = Union[NTKFeatures, torch.Tensor]
 _F64 = torch.float64

@@ -30,7 +30,8 @@ import torch
 
 from ...backends import JacobianBackend
 from ...data import Data, TrainingData, check_shard, is_distributed, reduce_sum
-from ...kernels import flat_gram, jacobians, jittered_cholesky, output_hessians
+from ...kernels import jacobians, jittered_cholesky, output_hessians
+from ...kernels._ntk import flat_gram
 from ._evidence import log_det_eye_plus, log_likelihood
 from ._hyperparameters import PriorGroups
 from ._statistics import Accumulators, reduce_accumulators

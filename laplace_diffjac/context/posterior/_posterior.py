@@ -33,7 +33,8 @@ from torch.utils.data import DataLoader
 from ...backends import BackendSpec, DiffBackPackGGN, JacobianBackend, as_backend
 from ...data import Data, TrainingData, check_inputs, is_distributed
 from ...errors import InvalidInputError
-from ...kernels import PriorPrecision, flat_gram, jacobians, n_jacobian_columns
+from ...kernels import PriorPrecision, jacobians, n_jacobian_columns
+from ...kernels._ntk import flat_gram
 from . import _tuning
 from ._data_pass import accumulate, model_jacobians
 from ._evidence import evidence_terms, log_likelihood

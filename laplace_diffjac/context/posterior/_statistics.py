@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ...data import is_distributed, reduce_sum
-from ...kernels import flat_gram, output_hessians
+from ...kernels import output_hessians
+from ...kernels._ntk import flat_gram
 from ._hyperparameters import PriorGroups
 
 __all__ = ["Accumulators", "reduce_accumulators"]

@@ -194,6 +194,54 @@ def test_settings_object_equals_keywords_and_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.steps = 5  # type: ignore[misc]
     with pytest.raises(InvalidInputError, match="steps"):
-        optimize_locations(model, "regression", x, 3, steps=9, settings=settings)
-    with pytest.raises(InvalidInputError, match="steps"):
         LocationSettings(steps=-3)
+
+
+def test_a_keyword_given_with_settings_is_honoured_also_at_its_default():
+    model = MLP.model()
+    x = MLP.inputs(20, seed=3)
+    settings = LocationSettings(steps=3, patience=0, progress_bar=False)
+    default_steps = LocationSettings().steps
+    result = optimize_locations(
+        model, "regression", x, 3, init="random", settings=settings,
+        steps=default_steps,
+    )  # fmt: skip
+    assert len(result.history.objective) == default_steps
+    short = optimize_locations(model, "regression", x, 3, settings=settings)
+    assert len(short.history.objective) == 3
+    assert settings.steps == 3  # the object itself is not changed
+
+
+def test_an_unknown_option_is_refused_naming_the_fields():
+    model = MLP.model()
+    x = MLP.inputs(20, seed=3)
+    with pytest.raises(InvalidInputError, match="stepz.*fields of LocationSettings"):
+        optimize_locations(model, "regression", x, 3, stepz=3)
+    with pytest.raises(InvalidInputError, match="settings must be a LocationSettings"):
+        optimize_locations(model, "regression", x, 3, settings={"steps": 3})
+
+
+def test_the_docstring_lists_every_option_with_its_default():
+    import ast
+    import re
+
+    doc = optimize_locations.__doc__ or ""
+    options = doc[doc.index("**options") : doc.index("Returns")]
+    listed = dict(re.findall(r"``(\w+)=([^`]+)``", options))
+    for field in dataclasses.fields(LocationSettings):
+        assert field.name in listed, field.name
+        assert ast.literal_eval(listed[field.name]) == field.default, field.name
+
+
+def test_the_same_seed_with_a_shuffled_loader_gives_the_same_locations():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = MLP.model()
+    x = MLP.inputs(40, seed=3)
+    loader = DataLoader(TensorDataset(x), batch_size=8, shuffle=True)
+    kw = dict(init="random", steps=5, seed=4, progress_bar=False)
+    a = optimize_locations(model, "regression", loader, 4, **kw)
+    b = optimize_locations(model, "regression", loader, 4, **kw)
+    c = optimize_locations(model, "regression", x, 4, **kw)
+    torch.testing.assert_close(a.locations, b.locations, rtol=0, atol=0)
+    torch.testing.assert_close(a.locations, c.locations, rtol=0, atol=0)

@@ -7,12 +7,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from laplace_diffjac.backends import DiffBackPackGGN, as_backend
-from laplace_diffjac.context import (
-    ContextPosterior,
-    LocationFunctionalLaplace,
-    evidence_loss_backward,
-)
+from laplace_diffjac.context import ContextPosterior, evidence_loss_backward
 from laplace_diffjac.errors import InvalidInputError
+from laplace_diffjac.laplace_integration import LocationFunctionalLaplace
 from tests.conftest import CASES
 
 MLP = CASES[1]

@@ -114,8 +114,10 @@ def test_location_functional_laplace_reads_data_like_context_posterior():
         assert la.n_data == 15
         for a, b in zip(la(xs), ref(xs)):
             torch.testing.assert_close(a, b)
-    with pytest.raises(ValueError, match="pred_type='gp'"):
-        la(xs, pred_type="glm")
+    for a, b in zip(la(xs, pred_type="glm"), ref(xs, pred_type="gp")):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same predictive
+    with pytest.raises(ValueError, match="pred_type='gp' or 'glm'"):
+        la(xs, pred_type="nn")
 
 
 def test_locations_with_nan_raise():
