@@ -14,6 +14,7 @@ from ._checks import (
     check_inputs,
     check_like_model,
     check_likelihood,
+    check_targets,
 )
 from ._process_group import (
     all_reduce_sum,
@@ -40,6 +41,7 @@ __all__ = [
     "check_inputs",
     "check_like_model",
     "check_likelihood",
+    "check_targets",
     "check_same_on_ranks",
     "is_distributed",
     "local_indices",

@@ -13,6 +13,7 @@ __all__ = [
     "check_fits_model",
     "check_finite",
     "check_inputs",
+    "check_targets",
     "check_likelihood",
     "check_like_model",
 ]
@@ -162,6 +163,13 @@ def check_inputs(
         required feature shape.
 
     """
+    if isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] > 0:
+        raise InvalidInputError(
+            f"{name} has shape {tuple(x.shape)}: one unbatched input (or a batch "
+            f"without features); pass a batch of shape (B, *input_shape), e.g. "
+            f"{name}.unsqueeze(0) for one input or {name}.unsqueeze(1) for "
+            f"{x.shape[0]} scalar inputs."
+        )
     if (
         not isinstance(x, torch.Tensor)
         or x.dim() < 2
@@ -172,9 +180,10 @@ def check_inputs(
             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}."
         )
     if x.dtype != dtype:
+        kind = "floating" if x.is_floating_point() else "an integer or boolean"
         raise InvalidInputError(
-            f"{name} has dtype {x.dtype} but the model's parameters are {dtype}; "
-            f"cast it with .to({dtype})."
+            f"{name} is {kind} tensor of dtype {x.dtype} but the model's "
+            f"parameters are {dtype}; cast it with {name}.to({dtype})."
         )
     if feature_shape is not None and tuple(x.shape[1:]) != tuple(feature_shape):
         raise InvalidInputError(
@@ -183,3 +192,62 @@ def check_inputs(
         )
     if not bool(torch.isfinite(x).all()):
         raise InvalidInputError(f"{name} contains NaN or infinite values.")
+
+
+def check_targets(y: torch.Tensor, f: torch.Tensor, likelihood: str, name: str) -> None:
+    """Raise unless ``y`` are targets of the model's outputs ``f`` ``(b, C)``.
+
+    Regression: ``(b, C)``, or ``(b,)`` when ``C = 1``, floating. Classification:
+    class indices ``(b,)`` (integer, in ``[0, C)``) or class probabilities
+    ``(b, C)`` (floating).
+
+    Parameters
+    ----------
+    y : torch.Tensor
+        The batch's targets.
+    f : torch.Tensor
+        The model's outputs on the batch, ``(b, C)``.
+    likelihood : {'regression', 'classification'}
+        The likelihood.
+    name : str
+        The argument's name, for the message.
+
+    Raises
+    ------
+    InvalidInputError
+        Naming the argument, the shape or dtype found, the one expected and the
+        fix.
+
+    """
+    b, C = f.shape
+    shape = tuple(y.shape)
+    if likelihood == "regression":
+        if shape not in ((b, C), (b,) if C == 1 else (b, C)):
+            raise InvalidInputError(
+                f"{name}: regression targets have shape {shape} but the model has "
+                f"{C} output(s) for {b} inputs; pass targets of shape ({b}, {C})"
+                + (f" or ({b},)" if C == 1 else "")
+                + "."
+            )
+        if not y.is_floating_point():
+            raise InvalidInputError(
+                f"{name}: regression targets are {y.dtype}; cast them with "
+                f"y.to({f.dtype})."
+            )
+        return
+    if shape == (b, C) and y.is_floating_point():
+        return  # class probabilities
+    if shape not in ((b,), (b, 1)):
+        raise InvalidInputError(
+            f"{name}: classification targets have shape {shape}; pass class "
+            f"indices of shape ({b},) or class probabilities of shape ({b}, {C})."
+        )
+    if y.is_floating_point():
+        raise InvalidInputError(
+            f"{name}: class indices are {y.dtype}; cast them with y.long()."
+        )
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= C):
+        raise InvalidInputError(
+            f"{name}: class indices must lie in [0, {C}) for a model with {C} "
+            f"outputs; got values in [{int(y.min())}, {int(y.max())}]."
+        )

@@ -6,7 +6,7 @@ import torch
 from tqdm import tqdm
 
 from ...backends import JacobianBackend
-from ...data import TrainingData
+from ...data import TrainingData, check_targets
 from ._hyperparameters import PriorGroups
 from ._statistics import Accumulators
 
@@ -56,5 +56,7 @@ def accumulate(
     for xb, yb in tqdm(batches, disable=not progress_bar):
         with torch.no_grad():
             Js, f = model_jacobians(backend, xb.to(param.device), False)
+        if yb is not None:
+            check_targets(yb, f, likelihood, f"{data.name}'s targets")
         acc.add(Js, f, yb, groups, likelihood)
         del Js, f

@@ -29,7 +29,14 @@ from collections.abc import Sequence
 import torch
 
 from ...backends import JacobianBackend
-from ...data import Data, TrainingData, check_shard, is_distributed, reduce_sum
+from ...data import (
+    Data,
+    TrainingData,
+    check_shard,
+    check_targets,
+    is_distributed,
+    reduce_sum,
+)
 from ...kernels import jacobians, jittered_cholesky, output_hessians
 from ...kernels._ntk import flat_gram
 from ._evidence import log_det_eye_plus, log_likelihood
@@ -134,6 +141,8 @@ def evidence_loss_backward(
         acc = Accumulators.empty(J_z0.to(torch.float64), groups)
         for xb, yb in training_data.batches():
             Js, f = backend.jacobians(xb.to(locations.device), enable_backprop=False)
+            if yb is not None:
+                check_targets(yb, f, likelihood, "data's targets")
             acc.add(Js, f, yb, groups, likelihood)
     reduce_accumulators(acc)  # pass 2 needs the full-data B
     J_z = jacobians(backend, locations, enable_backprop=True).to(torch.float64)

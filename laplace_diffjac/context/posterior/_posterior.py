@@ -31,7 +31,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ...backends import BackendSpec, DiffBackPackGGN, JacobianBackend, as_backend
-from ...data import Data, TrainingData, check_inputs, is_distributed
+from ...data import (
+    Data,
+    TrainingData,
+    check_fits_model,
+    check_inputs,
+    is_distributed,
+)
 from ...errors import InvalidInputError
 from ...kernels import PriorPrecision, jacobians, n_jacobian_columns
 from ...kernels._ntk import flat_gram
@@ -106,7 +112,9 @@ class ContextPosterior:
         For an unknown likelihood, ``sigma_noise != 1`` with classification or an
         invalid prior precision or structure.
     InvalidInputError
-        For locations that are not finite, not in the model's dtype or not batched.
+        For locations that are not finite, not in the model's dtype, not batched,
+        or of a feature shape the model does not accept (one forward pass on one
+        location, the model's state restored).
 
     """
 
@@ -132,6 +140,7 @@ class ContextPosterior:
             )
         param = next(iter(model.parameters()))
         check_inputs(locations, "locations", param.dtype, None)
+        check_fits_model(locations, "locations", model)
         self.model = model
         self.likelihood = likelihood
         self.locations = locations.detach()
@@ -177,8 +186,10 @@ class ContextPosterior:
             For training inputs that are not finite, have another feature shape
             than the locations or another dtype than the model (before any work
             for tensors; for a loader the posterior is left as it was), for a
-            ``DistributedSampler`` that pads its shards with repeated points, or
-            if there are no training points at all.
+            ``DistributedSampler`` that pads its shards with repeated points,
+            for targets whose shape or dtype does not fit the likelihood and the
+            model's outputs (:func:`~laplace_diffjac.data.check_targets`), or if
+            there are no training points at all.
 
         """
         data = TrainingData(train_loader, self.batch_size, "train_loader")
@@ -643,6 +654,7 @@ class ContextPosterior:
     def _glm_predictive_distribution(
         self, x: torch.Tensor, joint: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        check_inputs(x, "x", self._dtype, self.locations.shape[1:])
         Js, f = model_jacobians(self.backend, x, self.enable_backprop)
         if joint:
             mean, var = f.flatten(), self.functional_covariance(Js)

@@ -125,7 +125,7 @@ class Accumulators:
                 self.B[g, h] += K @ V.T
         self.ggn_diag += (Js * torch.einsum("bce,bep->bcp", lam, Js)).sum((0, 1))
         self.n_data += f.shape[0]
-        if y is None or not _usable_targets(y, f, likelihood):
+        if y is None:  # checked by the data pass (data.check_targets) otherwise
             self.has_targets = False  # the posterior needs none; the evidence does
             return
         y = y.to(f.device)
@@ -163,15 +163,6 @@ class Accumulators:
             n_data=int(state["n_data"]),
             has_targets=bool(state["has_targets"]),
         )
-
-
-def _usable_targets(y: torch.Tensor, f: torch.Tensor, likelihood: str) -> bool:
-    """Whether ``y`` are targets of the outputs ``f`` ``(b, C)``."""
-    if likelihood == "regression":
-        return y.numel() == f.numel() and y.shape[0] == f.shape[0]
-    if y.shape == f.shape and y.is_floating_point():
-        return True  # class probabilities
-    return y.numel() == f.shape[0] and not y.is_floating_point()
 
 
 def reduce_accumulators(acc: Accumulators) -> None:
