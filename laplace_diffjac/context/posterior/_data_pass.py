@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from ...backends import JacobianBackend
+from ...backends import BackendSpec, JacobianBackend
 from ...data import TrainingData, check_targets
 from ._hyperparameters import PriorGroups
 from ._statistics import Accumulators
 
-__all__ = ["accumulate", "model_jacobians"]
+__all__ = ["accumulate", "compute_copy", "model_jacobians"]
 
 
 def model_jacobians(
@@ -29,6 +32,7 @@ def accumulate(
     groups: PriorGroups,
     data: TrainingData,
     feature_shape: torch.Size,
+    input_dtype: torch.dtype,
     progress_bar: bool,
 ) -> None:
     """Add this process's data to ``acc``, one batch of inputs/Jacobians at a time.
@@ -47,16 +51,45 @@ def accumulate(
         The data; a loader (also over an ``IterableDataset``) is iterated once.
     feature_shape : torch.Size
         The locations' ``input_shape``, which every batch must have.
+    input_dtype : torch.dtype
+        The dtype every batch must have (the user's model's); batches are cast
+        to the backend's model's dtype and device for the Jacobians.
     progress_bar : bool
         Show a tqdm progress bar.
 
     """
     param = next(iter(backend.model.parameters()))
-    batches = data.checked_batches(param.dtype, feature_shape)
+    batches = data.checked_batches(input_dtype, feature_shape)
     for xb, yb in tqdm(batches, disable=not progress_bar):
+        xb = xb.to(device=param.device, dtype=param.dtype)
         with torch.no_grad():
-            Js, f = model_jacobians(backend, xb.to(param.device), False)
+            Js, f = model_jacobians(backend, xb, False)
         if yb is not None:
             check_targets(yb, f, likelihood, f"{data.name}'s targets")
         acc.add(Js, f, yb, groups, likelihood)
         del Js, f
+
+
+def compute_copy(
+    model: nn.Module, backend: BackendSpec, compute_dtype: torch.dtype | None
+) -> nn.Module:
+    """The model the Jacobians are computed on: a ``compute_dtype`` copy, or it.
+
+    A copy is made when the model's floating dtype differs from ``compute_dtype``
+    and the backend is built here (a class or ``None``); a backend instance keeps
+    its own model.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model`` or its copy.
+    """
+    dtype = next(iter(model.parameters())).dtype
+    if (
+        compute_dtype is None
+        or dtype == compute_dtype
+        or not dtype.is_floating_point
+        or not (backend is None or isinstance(backend, type))
+    ):
+        return model
+    return copy.deepcopy(model).to(compute_dtype)

@@ -26,9 +26,13 @@ and ``tr(ΛE) = Σₙ tr(Λₙ (k(xₙ, xₙ) − Q(xₙ, xₙ)))`` since ``Λ``
 for *every* ``Z`` (Sylvester again turns the ``N C``-sized determinant into the
 ``M C``-sized one). With ``Z = X`` and ``K_XX`` invertible, ``E = 0`` and both
 inequalities are equalities: the bound is the full-data GGN evidence. Both terms
-come from the accumulators: ``A = L⁻¹ (h B) L⁻ᵀ`` with ``h = 1 / (σ² T)`` gives
-the determinant, and ``Σₙ tr(Λₙ Qₙₙ) = tr(K_ZZ⁻¹ K_ZX Λ K_XZ) = tr(A)``,
-``Σₙ tr(Λₙ kₙₙ) = h Σ_p Σ₀_p d_p``.
+come from the whitened sums (:mod:`._statistics`): with
+``K_ZZ(s) + ε(s) I = L₀ R Rᵀ L₀ᵀ`` (:class:`Frame`) and ``h = 1 / (σ² T)``,
+``A = h R⁻¹ (Σ_{g,h} s_g s_h W^{gh}) R⁻ᵀ`` gives the determinant (its
+eigenvalues are ``≥ 0``, so ``I + A`` is factorised without loss), and
+``Σₙ tr(Λₙ Qₙₙ) = tr(K_ZZ⁻¹ K_ZX Λ K_XZ) = tr(A)``, ``Σₙ tr(Λₙ kₙₙ) = h Σ_p Σ₀_p d_p``.
+For one prior group at the fit's jitter ``R = √s I`` and ``A = s h W``: a new
+scalar prior precision, ``σ`` or temperature only rescales.
 
 Everything here is differentiable in the group prior variances, ``h`` (so ``σ``
 and ``T``) and, through :func:`._evidence_gradient.evidence_loss_backward`, in
@@ -38,24 +42,29 @@ the locations.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 import torch
 
-from ...kernels import jittered_cholesky
 from ._statistics import Accumulators
 
-__all__ = ["dtc_factor", "evidence_terms", "log_det_eye_plus", "log_likelihood"]
+__all__ = [
+    "Frame",
+    "evidence_terms",
+    "frame_of",
+    "log_det_eye_plus",
+    "log_likelihood",
+    "whitened_matrix",
+]
 
 
 def log_det_eye_plus(A: torch.Tensor, jitter: float) -> torch.Tensor:
-    """``log det(I + A)`` for the whitened ``A`` (PSD in exact arithmetic).
+    """``log det(I + A)`` for the whitened ``A`` (PSD up to rounding).
 
-    ``A = L⁻¹ B L⁻ᵀ`` is formed from ``B = K_ZX Λ K_XZ``, so rounding in ``B``
-    (relative to its largest entry) is amplified by ``1 / (jitter · mean diag
-    K_ZZ)`` in the directions where ``K_ZZ`` is nearly singular: once the ``MC``
-    locations exceed the kernel's numerical rank, ``A`` can lose definiteness.
-    Then the bound is dominated by rounding; say so instead of a bare failure.
+    ``A`` is a sum of whitened, PSD batch terms, so ``I + A`` has eigenvalues of at
+    least one up to rounding of order ``1e-16 ‖A‖``; its Cholesky factorisation
+    fails only if something upstream is not finite.
 
     Parameters
     ----------
@@ -72,8 +81,7 @@ def log_det_eye_plus(A: torch.Tensor, jitter: float) -> torch.Tensor:
     Raises
     ------
     torch.linalg.LinAlgError
-        If ``I + A`` is not positive definite (a ``RuntimeError``; the message
-        names the fix: a larger ``jitter`` or fewer locations).
+        If ``I + A`` is not positive definite.
 
     """
     eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
@@ -84,26 +92,112 @@ def log_det_eye_plus(A: torch.Tensor, jitter: float) -> torch.Tensor:
 
 
 def raise_rank_error(n: int, jitter: float) -> NoReturn:
-    """Raise the error for an ``I + A`` that rounding made indefinite (``n = MC``).
+    """Raise the error for an ``I + A`` that is not positive definite (``n = MC``).
 
     Raises
     ------
     torch.linalg.LinAlgError
-        Always, naming the fix: a larger ``jitter`` or fewer locations.
+        Always, naming what to check.
 
     """
     raise torch.linalg.LinAlgError(
-        f"The evidence bound lost positive definiteness to rounding (jitter="
-        f"{jitter:g}): its M·C = {n} location outputs exceed the "
-        "numerical rank of the kernel at this prior precision and noise. Pass "
-        "a larger jitter (e.g. jitter=1e-6) or use fewer locations."
+        f"The evidence bound's I + A ({n} location outputs, jitter={jitter:g}) is "
+        "not positive definite: the model's outputs or Jacobians at the data or "
+        "the locations are not finite, or the prior precision or noise is not "
+        "positive. Check them, or pass a larger jitter."
     )
 
 
-def dtc_factor(
+@dataclass(frozen=True)
+class Frame:
+    """``K_ZZ(s) + ε(s) I = L₀ R Rᵀ L₀ᵀ`` at group prior variances ``s``.
+
+    ``R = √scale · I`` when ``scale`` is set (one group at the fit's jitter: exact),
+    else the Cholesky factor ``R`` of ``M = L₀⁻¹ (K_ZZ(s) + ε(s) I) L₀⁻ᵀ``.
+
+    Attributes
+    ----------
+    L0 : torch.Tensor
+        ``(MC, MC)`` the fit's frame factor.
+    scale : torch.Tensor or None
+        ``()`` the prior variance of the one group.
+    R : torch.Tensor or None
+        ``(MC, MC)`` lower-triangular.
+
+    """
+
+    L0: torch.Tensor
+    scale: torch.Tensor | None
+    R: torch.Tensor | None
+
+    def whiten(self, T: torch.Tensor) -> torch.Tensor:
+        """``R⁻¹ T`` for ``T = L₀⁻¹ K_Z*`` ``(MC, n)`` (differentiable in ``T``)."""
+        if self.scale is not None:
+            return T / self.scale.sqrt()
+        assert self.R is not None
+        return torch.linalg.solve_triangular(self.R, T, upper=False)
+
+    def inner(self, X: torch.Tensor) -> torch.Tensor:
+        """``R⁻¹ X R⁻ᵀ`` for a symmetric ``X`` ``(MC, MC)``, made symmetric."""
+        if self.scale is not None:
+            return X / self.scale
+        assert self.R is not None
+        Y = torch.linalg.solve_triangular(self.R, X, upper=False)
+        Y = torch.linalg.solve_triangular(self.R, Y.mT, upper=False)
+        return 0.5 * (Y + Y.mT)
+
+
+def frame_of(acc: Accumulators, s: torch.Tensor, jitter: float) -> Frame:
+    """The :class:`Frame` of ``K_ZZ(s)`` with relative ``jitter``.
+
+    One group at the fit's jitter is exact (``K_ZZ(s) + ε(s) I = s L₀ L₀ᵀ``).
+    Otherwise ``M = Σ_g s_g C^g + ε(s) L₀⁻¹ L₀⁻ᵀ`` is formed from the whitened
+    group Grams ``C^g = G^g G^gᵀ`` (products of the whitened Jacobians, so
+    positive semi-definite and well scaled) and factorised; it does not depend on
+    the data or its batching.
+
+    Parameters
+    ----------
+    acc : Accumulators
+        The sums of ``fit``.
+    s : torch.Tensor
+        ``(G,)`` group prior-variance scales (differentiable).
+    jitter : float
+        Relative jitter of ``K_ZZ``.
+
+    Returns
+    -------
+    Frame
+
+    Raises
+    ------
+    torch.linalg.LinAlgError
+        If ``M`` is not positive definite (a non-positive prior variance).
+
+    """
+    s = s.to(torch.float64)
+    if len(acc.bounds) == 1 and jitter == acc.jitter:
+        return Frame(acc.L0, s.reshape(()), None)
+    L0 = acc.L0
+    eye = torch.eye(L0.shape[0], dtype=L0.dtype, device=L0.device)
+    inv = torch.linalg.solve_triangular(L0, eye, upper=False)
+    mean_diag = torch.einsum("g,gi->", s, acc.K_diag) / L0.shape[0]
+    eps = jitter * mean_diag.clamp_min(torch.finfo(L0.dtype).tiny)
+    M = torch.einsum("g,gij->ij", s, acc.group_grams()) + eps * (inv @ inv.mT)
+    M = 0.5 * (M + M.mT)
+    R, info = torch.linalg.cholesky_ex(M)
+    if bool(info.detach().ne(0).any()):
+        raise torch.linalg.LinAlgError(
+            "K_ZZ at this prior precision is not positive definite; prior "
+            "precisions must be positive and finite."
+        )
+    return Frame(L0, None, R)
+
+
+def whitened_matrix(
     acc: Accumulators, s: torch.Tensor, h: torch.Tensor, jitter: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``L`` (``K_ZZ = L Lᵀ``) and ``A = L⁻¹ K_ZX Λ K_XZ L⁻ᵀ``, both ``(MC, MC)``.
+) -> tuple[Frame, torch.Tensor]:
+    """The frame and ``A = h R⁻¹ (Σ s_g s_h W^{gh}) R⁻ᵀ`` ``(MC, MC)``.
 
     Parameters
     ----------
@@ -118,17 +212,15 @@ def dtc_factor(
 
     Returns
     -------
-    L, A : torch.Tensor
-        Float64.
+    frame : Frame
+    A : torch.Tensor
+        Float64, symmetric.
 
     """
     s = s.to(torch.float64)
-    K_zz = torch.einsum("g,gij->ij", s, acc.K_zz)
-    B = torch.einsum("g,h,ghij->ij", s, s, acc.symmetrised_B()) * h
-    L = jittered_cholesky(K_zz, jitter)
-    A = torch.linalg.solve_triangular(L, B, upper=False)
-    A = torch.linalg.solve_triangular(L, A.mT, upper=False)
-    return L, 0.5 * (A + A.mT)
+    frame = frame_of(acc, s, jitter)
+    W = torch.einsum("g,h,ghij->ij", s, s, acc.symmetrised_W())
+    return frame, h * frame.inner(W)
 
 
 class Spectrum(Protocol):
@@ -173,13 +265,13 @@ def evidence_terms(
     Raises
     ------
     torch.linalg.LinAlgError
-        If rounding made ``I + A`` indefinite (see :func:`log_det_eye_plus`).
+        If ``I + A`` is not positive definite (see :func:`log_det_eye_plus`).
 
     """
     if spectrum is not None:
         log_det, trace_A = spectrum.log_det_and_trace(s, h)
     else:
-        _, A = dtc_factor(acc, s, h, jitter)
+        _, A = whitened_matrix(acc, s, h, jitter)
         log_det, trace_A = log_det_eye_plus(A, jitter), A.diagonal().sum()
     trace = h * (prior_var.to(torch.float64) * acc.ggn_diag).sum() - trace_A
     return log_det, trace

@@ -4,14 +4,16 @@
 :mod:`~laplace_diffjac.context.posterior._evidence`, scalar prior) on the whole
 data set and accumulates its *exact* gradient into ``.grad`` of the locations and
 of the prior precision / noise tensors that require gradients, with the memory of one
-minibatch. The bound depends on the data only through the sum
-``B(Z) = Σₙ K_Zn Λ̃ₙ K_nZ`` (and through ``Z``-independent sums), so::
+minibatch. The bound depends on the data only through the whitened sum
+``W(Z) = Σₙ Vₙ Λ̃ₙ Vₙᵀ``, ``Vₙ = L(Z)⁻¹ K_Zn`` with ``L(Z) L(Z)ᵀ = K⁰_ZZ + ε I``
+(:mod:`._statistics`), and through ``Z``-independent sums, so::
 
-    ∂bound/∂Z = ∂F/∂Z |_B  +  Σ_batches ⟨∂F/∂B, ∂B_batch/∂Z⟩
+    ∂bound/∂Z = Σ_batches ⟨∂F/∂W, ∂W_batch/∂Z⟩
 
-Pass 1 accumulates ``B`` without a graph; ``F(B, Z, δ, σ)`` is differentiated with
-``B`` as a leaf (giving ``∂F/∂B`` and the direct terms); pass 2 recomputes each
-batch's ``B_batch(Z)`` with a graph and back-propagates ``⟨∂F/∂B, B_batch⟩``.
+Pass 1 accumulates ``W`` without a graph; ``F(W, δ, σ)`` is differentiated with
+``W`` as a leaf (giving ``∂F/∂W`` and the hyperparameters' gradients); pass 2
+recomputes each batch's ``W_batch(Z)`` with a graph (the frame ``L(Z)`` once)
+and back-propagates ``⟨∂F/∂W, W_batch⟩``.
 The logarithm of a determinant of a data sum is not a sum over data, so an
 unbiased *minibatch* estimate of this gradient does not exist in this form; the
 two passes give the full-data gradient at twice the cost of a ``fit``.
@@ -37,37 +39,33 @@ from ...data import (
     is_distributed,
     reduce_sum,
 )
-from ...kernels import jacobians, jittered_cholesky, output_hessians
+from ...kernels import jacobians, output_hessians
 from ...kernels._ntk import flat_gram
 from ._evidence import log_det_eye_plus, log_likelihood
 from ._hyperparameters import PriorGroups
-from ._statistics import Accumulators, reduce_accumulators
+from ._statistics import Accumulators, frame_factor, reduce_accumulators
 
 __all__ = ["evidence_loss_backward"]
 
 
 def _bound(
     acc: Accumulators,
-    B: torch.Tensor,
-    K_zz: torch.Tensor,
+    W: torch.Tensor,
     theta: torch.Tensor,
     prec: torch.Tensor,
     sigma: torch.Tensor,
     likelihood: str,
     temperature: float,
-    jitter: float,
 ) -> torch.Tensor:
+    """The bound from the whitened sums ``W`` (``A = s h W``, one prior group)."""
     s = prec.to(torch.float64).reshape(()).reciprocal()
     sigma2 = sigma.to(torch.float64).square() if likelihood == "regression" else 1.0
     h = 1.0 / (sigma2 * temperature)
-    L = jittered_cholesky(s * K_zz, jitter)
-    A = torch.linalg.solve_triangular(L, (s * s * h) * B, upper=False)
-    A = torch.linalg.solve_triangular(L, A.mT, upper=False)
-    A = 0.5 * (A + A.mT)
-    log_det = log_det_eye_plus(A, jitter)
+    A = (s * h) * W
+    log_det = log_det_eye_plus(A, acc.jitter)
     trace = h * s * acc.ggn_diag.sum() - A.diagonal().sum()
     scatter = theta.square().sum() / s
-    n_out = int(acc.J_z.shape[1])
+    n_out = acc.n_outputs
     loglik = log_likelihood(acc, likelihood, sigma, temperature, n_out)
     return loglik - 0.5 * (scatter + log_det + trace)
 
@@ -138,29 +136,25 @@ def evidence_loss_backward(
     training_data = TrainingData(data, batch_size, "data")
     with torch.no_grad():
         J_z0 = jacobians(backend, locations.detach(), enable_backprop=False)
-        acc = Accumulators.empty(J_z0.to(torch.float64), groups)
+        acc = Accumulators.empty(J_z0.to(torch.float64), groups, jitter)
         for xb, yb in training_data.batches():
             Js, f = backend.jacobians(xb.to(locations.device), enable_backprop=False)
             if yb is not None:
                 check_targets(yb, f, likelihood, "data's targets")
             acc.add(Js, f, yb, groups, likelihood)
-    reduce_accumulators(acc)  # pass 2 needs the full-data B
-    J_z = jacobians(backend, locations, enable_backprop=True).to(torch.float64)
-    K_zz = flat_gram(J_z, J_z)
-    B = acc.symmetrised_B()[0, 0].clone().requires_grad_()
+    reduce_accumulators(acc)  # pass 2 needs the full-data W
+    W = acc.symmetrised_W()[0, 0].clone().requires_grad_()
     theta = torch.cat([p.detach().reshape(-1) for p in backend.params])
     theta = theta.to(torch.float64)
-    bound = _bound(
-        acc, B, K_zz, theta, prior_precision, sigma_noise, likelihood,
-        temperature, jitter,
-    )  # fmt: skip
+    bound = _bound(acc, W, theta, prior_precision, sigma_noise, likelihood, temperature)
     inputs = [locations] if inputs is None else list(inputs)
     wants_z = any(t is locations for t in inputs)
-    (-bound).backward(retain_graph=wants_z, inputs=[B, *inputs])
+    others = [t for t in inputs if t is not locations]
+    (-bound).backward(inputs=[W, *others])
     if wants_z:
-        assert B.grad is not None
+        assert W.grad is not None
         _data_gradient(
-            backend, locations, J_z, B.grad.detach(), training_data, likelihood
+            backend, locations, W.grad.detach(), training_data, likelihood, jitter
         )
     return (-bound).detach()
 
@@ -168,28 +162,32 @@ def evidence_loss_backward(
 def _data_gradient(
     backend: JacobianBackend,
     locations: torch.Tensor,
-    J_z: torch.Tensor,
-    grad_B: torch.Tensor,
+    grad_W: torch.Tensor,
     data: TrainingData,
     likelihood: str,
+    jitter: float,
 ) -> None:
-    """Pass 2: add ``Σ_batches ⟨∂F/∂B, ∂B_batch/∂Z⟩`` to ``locations.grad``.
+    """Pass 2: add ``Σ_batches ⟨∂F/∂W, ∂W_batch/∂Z⟩`` to ``locations.grad``.
 
-    Under ``torch.distributed`` only this part of the gradient is a sum over
-    data, so only it is all-reduced; the direct terms (and the hyperparameters'
-    gradients, which see the data only through the reduced sums) are already the
-    same on every rank.
+    The bound depends on the locations only through ``W = Σ_b V_b Λ_b V_bᵀ``,
+    ``V_b = L(Z)⁻¹ K_Zb(Z)`` (the frame ``L(Z)`` included), so this is the whole
+    gradient in ``Z``. Under ``torch.distributed`` it is a sum over data and is
+    all-reduced; the hyperparameters' gradients see the data only through the
+    reduced sums and are already the same on every rank.
     """
     before = locations.grad.detach().clone() if locations.grad is not None else None
-    MC = grad_B.shape[0]
+    J_z = jacobians(backend, locations, enable_backprop=True).to(torch.float64)
+    L = frame_factor(flat_gram(J_z, J_z), jitter)
+    MC = grad_W.shape[0]
     for xb in data.input_batches():
         with torch.no_grad():
             Js, f = backend.jacobians(xb.to(locations.device), enable_backprop=False)
             lam = output_hessians(f.to(torch.float64), likelihood)
-        K = flat_gram(J_z, Js.to(torch.float64)).reshape(MC, *f.shape)
-        KL = torch.einsum("kbc,bce->kbe", K, lam).reshape(MC, -1)
-        B_b = K.reshape(MC, -1) @ KL.T
-        (grad_B * B_b).sum().backward(retain_graph=True, inputs=[locations])
+        K = flat_gram(J_z, Js.to(torch.float64))
+        V = torch.linalg.solve_triangular(L, K, upper=False).reshape(MC, *f.shape)
+        VL = torch.einsum("kbc,bce->kbe", V, lam).reshape(MC, -1)
+        W_b = V.reshape(MC, -1) @ VL.T
+        (grad_W * W_b).sum().backward(retain_graph=True, inputs=[locations])
     if not is_distributed():
         return
     local = torch.zeros_like(locations) if locations.grad is None else locations.grad

@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PriorGroups", "check_prior_precision", "check_sigma_noise"]
+from ...backends import JacobianBackend
+from ...kernels import n_jacobian_columns
+
+__all__ = [
+    "PriorGroups",
+    "check_prior_precision",
+    "check_sigma_noise",
+    "layer_sizes",
+]
 
 STRUCTURES = ("scalar", "layerwise", "diag")
 
@@ -245,3 +253,10 @@ def infer_structure(
     if n == 1:
         return "scalar"
     return "layerwise" if n == n_layers else "diag"
+
+
+def layer_sizes(backend: JacobianBackend) -> list[int]:
+    """Parameters per parameter tensor, or ``[P]`` when the columns are a subset."""
+    P = n_jacobian_columns(backend)
+    sizes = [p.numel() for p in backend.params]
+    return sizes if sum(sizes) == P else [P]

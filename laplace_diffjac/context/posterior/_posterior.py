@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ...backends import BackendSpec, DiffBackPackGGN, JacobianBackend, as_backend
+from ...backends import BackendSpec, DiffBackPackGGN, as_backend
 from ...data import (
     Data,
     TrainingData,
@@ -39,32 +39,26 @@ from ...data import (
     is_distributed,
 )
 from ...errors import InvalidInputError
-from ...kernels import PriorPrecision, jacobians, n_jacobian_columns
-from ...kernels._ntk import flat_gram
+from ...kernels import PriorPrecision, jacobians
 from . import _tuning
-from ._data_pass import accumulate, model_jacobians
+from ._data_pass import accumulate, compute_copy, model_jacobians
 from ._evidence import evidence_terms, log_likelihood
-from ._factor_cache import FactorCache
+from ._factor_cache import FactorCache, PredictiveFactor
 from ._hyperparameters import (
     PriorGroups,
     check_prior_precision,
     check_sigma_noise,
     expand_precision,
     infer_structure,
+    layer_sizes,
 )
 from ._predictive import gaussian_samples, link_probabilities
 from ._statistics import Accumulators, reduce_accumulators
 
-__all__ = ["ContextPosterior", "layer_sizes"]
+__all__ = ["ContextPosterior"]
 
-_FORMAT = "laplace_diffjac.ContextPosterior/1"
-
-
-def layer_sizes(backend: JacobianBackend) -> list[int]:
-    """Parameters per parameter tensor, or ``[P]`` when the columns are a subset."""
-    P = n_jacobian_columns(backend)
-    sizes = [p.numel() for p in backend.params]
-    return sizes if sum(sizes) == P else [P]
+_FORMAT = "laplace_diffjac.ContextPosterior/2"
+_FORMATS = (_FORMAT, "laplace_diffjac.ContextPosterior/1")  # readable
 
 
 class ContextPosterior:
@@ -105,6 +99,12 @@ class ContextPosterior:
         the data (default: that of ``prior_precision``); see
         :mod:`._hyperparameters`. ``'layerwise'`` keeps ``n_layers²`` blocks of
         ``(MC)²``.
+    compute_dtype : torch.dtype or None, default=torch.float64
+        The dtype of the Jacobians and of every sum: a model in another floating
+        dtype (float32) is copied in this one (at ``fit`` its current parameters
+        are copied in) when the backend is built here (a class), and predictions
+        are returned in the model's dtype. ``None`` computes in the model's dtype
+        (no copy; the copy costs the model's memory in float64).
 
     Raises
     ------
@@ -132,6 +132,7 @@ class ContextPosterior:
         batch_size: int = 256,
         prior_mean: float | torch.Tensor = 0.0,
         prior_structure: str | None = None,
+        compute_dtype: torch.dtype | None = torch.float64,
     ) -> None:
         if likelihood not in ("regression", "classification"):
             raise ValueError(
@@ -144,8 +145,10 @@ class ContextPosterior:
         self.model = model
         self.likelihood = likelihood
         self.locations = locations.detach()
-        self.backend = as_backend(model, likelihood, backend)
+        self._compute_model = compute_copy(model, backend, compute_dtype)
+        self.backend = as_backend(self._compute_model, likelihood, backend)
         self._dtype, self._device = param.dtype, param.device
+        self._compute_dtype = next(iter(self._compute_model.parameters())).dtype
         self._layer_sizes = layer_sizes(self.backend)
         self.prior_precision = prior_precision
         self.sigma_noise = sigma_noise
@@ -197,12 +200,20 @@ class ContextPosterior:
         prec = self.prior_precision.detach()
         structure = infer_structure(self._structure_request, prec, self.n_layers)
         groups = PriorGroups.build(structure, prec, self._layer_sizes)
-        Z = self.locations.to(self._device)
+        self._sync_compute_model()
+        Z = self.locations.to(device=self._device, dtype=self._compute_dtype)
         J_z = jacobians(self.backend, Z, enable_backprop=False).to(torch.float64)
-        acc = Accumulators.empty(J_z.detach(), groups)
+        acc = Accumulators.empty(J_z.detach(), groups, self.jitter)
         shape = self.locations.shape[1:]
         accumulate(
-            self.backend, self.likelihood, acc, groups, data, shape, progress_bar
+            self.backend,
+            self.likelihood,
+            acc,
+            groups,
+            data,
+            shape,
+            self._dtype,
+            progress_bar,
         )
         reduce_accumulators(acc)
         if acc.n_data == 0:
@@ -249,7 +260,9 @@ class ContextPosterior:
         check_inputs(x_new, "x_new", self._dtype, shape, allow_empty=is_distributed())
         data = TrainingData((x_new, y_new), self.batch_size, "x_new")
         new = acc.zeros_like()
-        accumulate(self.backend, self.likelihood, new, groups, data, shape, False)
+        accumulate(
+            self.backend, self.likelihood, new, groups, data, shape, self._dtype, False
+        )
         reduce_accumulators(new)  # only the new sums: the old ones are reduced
         acc.merge(new)
         self._factors.clear()
@@ -268,7 +281,7 @@ class ContextPosterior:
     @property
     def n_outputs(self) -> int:
         """Number ``C`` of outputs (after ``fit``)."""
-        return int(self._fitted()[0].J_z.shape[1])
+        return self._fitted()[0].n_outputs
 
     @property
     def n_data(self) -> int:
@@ -361,7 +374,7 @@ class ContextPosterior:
     def log_likelihood(self) -> torch.Tensor:
         """``log p(y | θ*)`` on the training data, as laplace-torch's."""
         acc, _ = self._fitted()
-        n_out = int(acc.J_z.shape[1])
+        n_out = acc.n_outputs
         return log_likelihood(
             acc, self.likelihood, self.sigma_noise, self.temperature, n_out
         )
@@ -558,7 +571,7 @@ class ContextPosterior:
             parameter shapes or the likelihood differ.
 
         """
-        if state_dict.get("format") != _FORMAT:
+        if state_dict.get("format") not in _FORMATS:
             raise ValueError(
                 "Loading a wrong Laplace type: not a ContextPosterior state."
             )
@@ -588,10 +601,22 @@ class ContextPosterior:
             state_dict["group_weight"],
             self.n_layers,
         )
-        self._acc = Accumulators.from_state(state_dict["accumulators"])
+        self._acc = Accumulators.from_state(
+            state_dict["accumulators"], self._groups, self.jitter
+        )
         self._factors.clear()
 
-    def _factor(self) -> torch.Tensor:
+    def _sync_compute_model(self) -> None:
+        """Copy the model's current parameters and buffers into its float64 copy."""
+        if self._compute_model is self.model:
+            return
+        with torch.no_grad():
+            pairs = zip(self._compute_model.state_dict().values(),
+                        self.model.state_dict().values())  # fmt: skip
+            for mine, theirs in pairs:
+                mine.copy_(theirs)
+
+    def _factor(self) -> PredictiveFactor:
         acc, _ = self._fitted()
         s, _, h = self._scales()
         return self._factors.prediction_factor(acc, s, h, self.jitter)
@@ -604,11 +629,11 @@ class ContextPosterior:
             return s.detach()[0]
         return prior_var.detach()
 
-    def _k_star_z(self, Js: torch.Tensor) -> torch.Tensor:
-        """``K*Z`` as ``(B*, C, M*C)`` in float64."""
+    def _whitened_cross(self, Js: torch.Tensor) -> torch.Tensor:
+        """``L₀⁻¹ K_Z*`` ``(MC, B* C)`` in float64 at the current prior."""
         acc, _ = self._fitted()
-        K = flat_gram(Js.to(torch.float64), acc.J_z, self._kernel_prior_var())
-        return K.reshape(Js.shape[0], Js.shape[1], -1)
+        s, _, _ = self._scales()
+        return acc.whitened(Js.to(torch.float64), scales=s.detach())[0]
 
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
         """Latent posterior covariance per test input.
@@ -624,11 +649,12 @@ class ContextPosterior:
             ``(B*, C, C)`` in ``Js``'s dtype.
 
         """
-        W = self._factor()
+        factor = self._factor()
         Js64 = Js.to(torch.float64)
         var = self._kernel_prior_var()
         K_ss = torch.einsum("bcp,bep->bce", Js64 * var, Js64)
-        V = self._k_star_z(Js) @ W  # (B*, C, r)
+        V = factor.project(self._whitened_cross(Js))
+        V = V.reshape(Js.shape[0], Js.shape[1], -1)  # (B*, C, MC)
         return (K_ss - V @ V.transpose(1, 2)).to(Js.dtype)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
@@ -645,21 +671,23 @@ class ContextPosterior:
             ``(B* C, B* C)``, ordered input-major as laplace-torch.
 
         """
-        W = self._factor()
+        factor = self._factor()
         J = Js.to(torch.float64).reshape(-1, Js.shape[-1])
         K_ss = (J * self._kernel_prior_var()) @ J.T
-        V = self._k_star_z(Js).reshape(J.shape[0], -1) @ W
+        V = factor.project(self._whitened_cross(Js))
         return (K_ss - V @ V.T).to(Js.dtype)
 
     def _glm_predictive_distribution(
         self, x: torch.Tensor, joint: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         check_inputs(x, "x", self._dtype, self.locations.shape[1:])
+        x = x.to(self._compute_dtype)
         Js, f = model_jacobians(self.backend, x, self.enable_backprop)
         if joint:
             mean, var = f.flatten(), self.functional_covariance(Js)
         else:
             mean, var = f, self.functional_variance(Js)
+        mean, var = mean.to(self._dtype), var.to(self._dtype)
         if not self.enable_backprop:
             return mean.detach(), var.detach()
         return mean, var

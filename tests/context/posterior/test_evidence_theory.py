@@ -4,8 +4,8 @@ For nested locations the bound can only grow (``Q`` grows in the Loewner order
 and ``log det(I + ΛQ) + tr(Λ(K − Q))`` decreases with it), it stays below
 ``FullLaplace.log_marginal_likelihood`` and reaches it at ``Z = X``, where its
 maximiser in the prior precision is the full-data one. Past the kernel's
-numerical rank the whitened factor is dominated by rounding; the evidence then
-says so (with the fix) instead of failing bare or answering wrongly.
+numerical rank the bound stays valid: the sums are whitened batch by batch, so
+rounding is not amplified by the condition number of ``K_ZZ``.
 """
 
 from __future__ import annotations
@@ -60,23 +60,23 @@ def test_bound_grows_with_nested_locations_and_reaches_full_evidence():
     assert int(previous.argmax()) == int(exact.argmax())
 
 
-def test_rounding_past_the_numerical_rank_names_the_fix():
-    model, x, y, Z = ill_conditioned_problem()
-    cp = ContextPosterior(model, "regression", Z, sigma_noise=0.01).fit((x, y))
-    with pytest.raises(torch.linalg.LinAlgError, match="larger jitter"):
-        cp.log_marginal_likelihood(torch.tensor([1.0]))
+@pytest.mark.parametrize("jitter", [1e-8, 1e-6])
+def test_a_valid_bound_past_the_numerical_rank_at_any_jitter(jitter):
+    """Sixty locations on a line, far past the NTK's numerical rank: still a bound.
 
-
-def test_larger_jitter_keeps_a_valid_bound_past_the_numerical_rank():
+    The whitened sums never amplify rounding by the condition number of ``K_ZZ``,
+    so the default jitter gives a finite bound below the full evidence and close
+    to it (the unwhitened form lost definiteness here).
+    """
     model, x, y, Z = ill_conditioned_problem()
     full = FullLaplace(model, "regression", backend=BackPackGGN, sigma_noise=0.01)
     full.fit(DataLoader(TensorDataset(x, y), batch_size=64))
-    cp = ContextPosterior(model, "regression", Z, sigma_noise=0.01, jitter=1e-6)
+    cp = ContextPosterior(model, "regression", Z, sigma_noise=0.01, jitter=jitter)
     cp.fit((x, y))
     for d in (0.1, 1.0, 10.0):
         prec = torch.tensor([d], dtype=torch.float64)
         bound = cp.log_marginal_likelihood(prec)
         evidence = full.log_marginal_likelihood(prec)
         assert torch.isfinite(bound)
-        assert bound <= evidence
+        assert bound <= evidence + 1e-9 * evidence.abs()
         assert bound >= evidence - 0.05 * evidence.abs()  # and not a vacuous one
