@@ -2,8 +2,11 @@
 
 Jacobians are per-sample ``vmap(jacrev(functional_call))``, so the cost grows
 linearly with the batch (whole-batch ``jacrev`` grows quadratically); models with
-recurrent layers (``nn.RNN``/``nn.LSTM``/``nn.GRU``, whose fused kernels ``vmap``
-cannot batch) take ``jacrev`` sample by sample instead. Works for any
+recurrent layers or cells (``nn.RNN``/``nn.LSTM``/``nn.GRU``, whose fused kernels
+``vmap`` cannot batch, and ``nn.RNNCell``/``LSTMCell``/``GRUCell``) take
+``jacrev`` sample by sample instead. Normalisations and ``nn.PReLU`` run in
+elementary operations (``jacobians/_elementary.py``: PyTorch's derivatives of
+their fused kernels are wrong under these transforms). Works for any
 model ``torch.func`` can trace (LayerNorm, attention, custom functions) and for
 dict-like inputs. ``torch.func`` never touches ``.grad``, registers no hooks and
 stores nothing on the model.
@@ -29,7 +32,12 @@ from ..jacobians._inputs import (
 )
 from ..jacobians._last_layer import last_layer_jacobians
 from ..jacobians._model_guard import preserved_state
-from ..jacobians._rules_norm import elementary_normalisations
+from ..jacobians._elementary import elementary_forms
+from ._functorch_support import (
+    check_functorch_support,
+    quiet_batching_fallbacks,
+    runs_sample_by_sample,
+)
 from ._kfac import check_kfac_support, kfac_factors
 
 
@@ -125,6 +133,7 @@ class DiffFuncGGN(GGNInterface):
                 f"{batch}; pass one row of output indices per input."
             )
         _check_no_backward_hooks(self.model)
+        check_functorch_support(self.model)
         params = self._named_params()
         single = self._per_sample_outputs(x, params)
         if selected is not None:
@@ -146,11 +155,12 @@ class DiffFuncGGN(GGNInterface):
         with (
             torch.set_grad_enabled(enable_backprop),
             preserved_state(self.model),
-            elementary_normalisations(self.model),  # right higher derivatives
+            elementary_forms(self.model),  # norms, PReLU: right derivatives
             # composite attention: the fused CPU kernels have no double backward
             sdpa_kernel([SDPBackend.MATH]),
+            quiet_batching_fallbacks(),
         ):
-            if _has_recurrent_layers(self.model):
+            if runs_sample_by_sample(self.model):
                 with _without_onednn():
                     jac, f = _sample_loop(jac_and_value, params, x, selected, batch)
             else:
@@ -262,22 +272,6 @@ class _FlatOutputs(nn.Module):
     def forward(self, x: Any) -> torch.Tensor:
         f = self.model(x)
         return f.reshape(-1, f.shape[-1])
-
-
-def _has_recurrent_layers(model: nn.Module) -> bool:
-    """Whether ``model`` holds an ``nn.RNN``/``nn.LSTM``/``nn.GRU``.
-
-    Their fused kernels (``_VF.lstm``, oneDNN's ``mkldnn_rnn_layer``) have no
-    ``vmap`` batching rule and write into hidden states created unbatched, so
-    ``vmap`` over samples fails; ``jacrev`` per sample works.
-
-    Returns
-    -------
-    bool
-        ``True`` if some submodule is an ``nn.RNNBase``.
-
-    """
-    return any(isinstance(m, nn.RNNBase) for m in model.modules())
 
 
 @contextmanager

@@ -32,8 +32,11 @@ from torch import nn
 from ..errors import UnsupportedModuleError
 from . import _rules_attention, _rules_embedding, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
+from ._elementary import ELEMENTARY_FORWARDS
+from ._functorch_refusals import functorch_refusal
 from ._layer_calls import LayerCall, RecordedForward
-from ._rules_norm import NORM_FORWARDS, group_norm_factors, layer_norm_factors
+from ._rules_norm import INSTANCE_NORMS, group_norm_factors, layer_norm_factors
+from ._rules_prelu import prelu_factors
 
 Signals = tuple[Optional[torch.Tensor], ...]
 Rule = Callable[[LayerCall, Signals, set[int]], list[tuple[int, Factors]]]
@@ -45,6 +48,8 @@ RULES: dict[type[nn.Module], Rule] = {
     nn.Embedding: _rules_embedding.embedding_factors,
     nn.LayerNorm: layer_norm_factors,
     nn.GroupNorm: group_norm_factors,
+    **{t: group_norm_factors for t in INSTANCE_NORMS},
+    nn.PReLU: prelu_factors,
     nn.MultiheadAttention: _rules_attention.attention_factors,
     **{t: _rules_recurrent.recurrent_factors for t in _rules_recurrent.RECURRENT},
 }
@@ -54,7 +59,7 @@ RULES: dict[type[nn.Module], Rule] = {
 #: :func:`.layer_calls.recorded_calls`), so that their rule gets signals inside.
 FORWARDS: dict[type[nn.Module], RecordedForward] = {
     nn.MultiheadAttention: _rules_attention.recorded_forward,
-    **NORM_FORWARDS,
+    **ELEMENTARY_FORWARDS,
 }
 
 
@@ -118,17 +123,16 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
         found.update(id(p) for p in own)
         reason = _refusal(module, name)
         if reason is not None:
-            unsupported.append(f"{name or '<root>'} ({reason})")
+            unsupported.append(f"{name or '<root>'} ({reason}: {_route(module)})")
             continue
         owners.append(module)
     if unsupported:
         supported = ", ".join(sorted(t.__name__ for t in (*DERIVATIVES, *RULES)))
         raise UnsupportedModuleError(
-            "The BackPACK backend has no per-sample Jacobian rule for the "
-            f"parameterised module(s) {', '.join(unsupported)}. Supported: "
+            "The BackPACK backends have no per-sample Jacobian rule for the "
+            f"parameterised module(s) {'; '.join(unsupported)}. Supported: "
             f"{supported}. Parameter-free modules (activations, pooling, reshapes, "
-            "custom functions) are always fine. Use "
-            "laplace_diffjac.DiffFuncGGN (torch.func) for this model."
+            "custom functions) are always fine."
         )
     if len(found) != len(wanted):
         raise UnsupportedModuleError(
@@ -169,6 +173,14 @@ def check_batch_first(calls: Iterable[LayerCall], batch: int, root: nn.Module) -
             )
 
 
+def _route(module: nn.Module) -> str:
+    """What works instead: ``DiffFuncGGN`` where it does, else the fix."""
+    elsewhere = functorch_refusal(module)
+    if elsewhere is None:
+        return "use laplace_diffjac.DiffFuncGGN for this model"
+    return f"no backend takes it as it is; {elsewhere.split(': ', 1)[-1]}"
+
+
 def _refusal(module: nn.Module, name: str) -> str | None:
     """Why ``module`` has no rule (``None`` if it has one); raise for BatchNorm."""
     kind = type(module)
@@ -180,6 +192,19 @@ def _refusal(module: nn.Module, name: str) -> str | None:
             "Jacobians are not defined (the batch statistics couple the samples). "
             "Call model.eval() first."
         )
+    if isinstance(module, INSTANCE_NORMS) and module.training:
+        if module.track_running_stats:
+            raise UnsupportedModuleError(
+                f"InstanceNorm layer '{name}' is in training mode with "
+                "track_running_stats=True, so every call updates its running "
+                "statistics. Call model.eval() first."
+            )
+    if kind in _PADDED_CONVS and not _has_closed_form_conv(module):
+        if module.padding_mode != "zeros":
+            return (
+                f"{kind.__name__} with padding_mode='{module.padding_mode}'"
+                + (" and groups > 1" if module.groups != 1 else "")
+            )
     if isinstance(module, nn.Embedding):
         return _rules_embedding.unsupported_reason(module)
     if isinstance(module, nn.MultiheadAttention):
@@ -290,12 +315,16 @@ def _batch_first(g: torch.Tensor) -> torch.Tensor:
     return g if g.shape[3] == 1 else g.contiguous()
 
 
+#: Convolutions with a ``padding_mode``; BackPACK's derivatives assume zeros.
+_PADDED_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
 def _has_closed_form_conv(module: nn.Module) -> bool:
+    """Conv1d/Conv2d with groups 1: zero padding given as sizes, or any other mode."""
     return bool(
         type(module) in (nn.Conv1d, nn.Conv2d)
         and module.groups == 1
-        and module.padding_mode == "zeros"
-        and not isinstance(module.padding, str)
+        and (module.padding_mode != "zeros" or not isinstance(module.padding, str))
     )
 
 
@@ -321,6 +350,11 @@ def _conv_factors(
     blocks: list[tuple[int, Factors]] = []
     if id(module.weight) in wanted:
         x, geometry = call.inputs[0], _conv_geometry(module)
+        if module.padding_mode != "zeros":  # as the module's forward pads
+            x = torch.nn.functional.pad(
+                x, module._reversed_padding_repeated_twice, mode=module.padding_mode
+            )
+            geometry["padding"] = (0,) * len(geometry["kernel_size"])
         if isinstance(module, nn.Conv1d):
             x = x.unsqueeze(2)  # (B, C_in, 1, L_in)
         patches = torch.nn.functional.unfold(x, **geometry)  # (B, C_in·k, L)
