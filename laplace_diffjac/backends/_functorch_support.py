@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from ..errors import UnsupportedModuleError
-from ..jacobians._functorch_refusals import functorch_refusal
+from ..jacobians._functorch_refusals import functorch_refusals
 
 #: Module types that ``vmap`` over samples cannot run.
 SAMPLE_BY_SAMPLE = (nn.RNNBase, nn.RNNCellBase)
@@ -34,11 +34,7 @@ def check_functorch_support(model: nn.Module) -> None:
         Naming the module and the fix.
 
     """
-    refused = [
-        f"{name or '<root>'} ({reason})"
-        for name, module in model.named_modules()
-        if (reason := functorch_refusal(module)) is not None
-    ]
+    refused = functorch_refusals(model)
     if refused:
         raise UnsupportedModuleError(
             f"DiffFuncGGN refuses {', '.join(refused)}; no backend of this "

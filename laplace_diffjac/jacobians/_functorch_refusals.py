@@ -1,13 +1,17 @@
-"""Modules that ``DiffFuncGGN`` refuses, decided on the module alone.
+"""What ``DiffFuncGGN`` refuses, decided on the modules alone.
 
-They compute something other than a per-sample function of their input, or change
-the model while they run, so no per-sample Jacobian exists for ``torch.func`` to
-find. The BackPACK backends consult this too, so that they only send a user to
-``DiffFuncGGN`` where it works.
+Some modules compute something other than a per-sample function of their input, or
+change the model while they run, so no per-sample Jacobian exists for
+``torch.func`` to find; and its ``kron`` (curvlinops' KFAC) factorises
+``nn.Linear``/``nn.Conv2d`` parameters only. The BackPACK backends consult this
+too, so that their errors send a user to ``DiffFuncGGN`` only where it works.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 from torch import nn
 
 _NORMS_WITH_RUNNING_STATS = (
@@ -68,3 +72,46 @@ def _dropout(module: nn.Module) -> float:
     if isinstance(module, nn.RNNBase) and module.num_layers > 1:
         return module.dropout
     return 0.0
+
+
+def functorch_refusals(model: nn.Module) -> list[str]:
+    """``'name (reason)'`` for every module of ``model`` that ``DiffFuncGGN`` refuses.
+
+    Returns
+    -------
+    list of str
+
+    """
+    return [
+        f"{name or '<root>'} ({reason})"
+        for name, module in model.named_modules()
+        if (reason := functorch_refusal(module)) is not None
+    ]
+
+
+def kfac_refusals(model: nn.Module, params: Sequence[torch.Tensor]) -> list[str]:
+    """Modules owning some of ``params`` that curvlinops' KFAC cannot factorise.
+
+    Returns
+    -------
+    list of str
+        ``'name (type)'``, sorted; empty if every parameter belongs to an
+        ``nn.Linear`` or an ``nn.Conv2d`` with groups 1 and zero padding.
+
+    """
+    wanted = {id(p) for p in params}
+    refused = []
+    for name, module in model.named_modules():
+        if not any(id(p) in wanted for p in module.parameters(recurse=False)):
+            continue
+        if isinstance(module, nn.Conv2d) and (
+            module.groups != 1
+            or isinstance(module.padding, str)
+            or module.padding_mode != "zeros"
+        ):
+            refused.append(
+                f"{name} (Conv2d with groups, string padding or non-zero padding mode)"
+            )
+        elif not isinstance(module, (nn.Linear, nn.Conv2d)):
+            refused.append(f"{name or '<root>'} ({type(module).__name__})")
+    return sorted(refused)

@@ -7,7 +7,7 @@ per-sample weight block is ``Σ g · min(x, 0)`` over the positions of each slop
 PyTorch's batching rule for the backward of ``prelu`` is wrong under nested
 ``vmap`` (``vmap(jacrev)`` of a Linear-PReLU-Linear network crashes when the batch
 size differs from the number of outputs and gives wrong Jacobians when they are
-equal; pinned in ``tests/backends/test_prelu.py``). Both backends therefore run
+equal; pinned in ``tests/backends/test_upstream_pins.py``). Both backends therefore run
 PReLU in the elementary form below while they differentiate: the same values, and
 at ``x = 0`` the same derivative as PyTorch's kernel (``w``).
 """
