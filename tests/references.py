@@ -49,7 +49,7 @@ def loop_jacobians(
     x: torch.Tensor | Mapping[str, torch.Tensor],
     params: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample, per-output ``torch.autograd.grad``: ``(batch, C, P)``, ``(batch, C)``.
+    """Per-sample, per-output ``autograd.grad``: ``(batch, C, P)``, ``(batch, C)``.
 
     The model is called on one sample at a time (a batch of one), and every output
     is differentiated on its own with ``create_graph=True``, so the result is

@@ -14,9 +14,11 @@ autograd loop).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import UnsupportedModuleError
@@ -24,6 +26,7 @@ from ..jacobians._functorch_refusals import functorch_refusals
 
 #: Module types that ``vmap`` over samples cannot run.
 SAMPLE_BY_SAMPLE = (nn.RNNBase, nn.RNNCellBase)
+
 
 def check_functorch_support(model: nn.Module) -> None:
     """Refuse modules whose per-sample Jacobians ``torch.func`` cannot give.
@@ -70,3 +73,48 @@ def quiet_batching_fallbacks() -> Iterator[None]:
             category=UserWarning,
         )
         yield
+
+
+@contextmanager
+def without_onednn() -> Iterator[None]:
+    """Run recurrent layers on ATen's kernels, not oneDNN's, for this call only.
+
+    oneDNN's ``mkldnn_rnn_layer`` (float32 on CPU) has no ``torch.func`` backward
+    ("undefined Tensor ... 'workspace'"). ``torch.backends.mkldnn.flags`` would do
+    the same but warns about TF32 on every use.
+    """
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+def sample_loop(
+    jac_and_value: Any,
+    params: dict[str, torch.Tensor],
+    x: Any,
+    selected: torch.Tensor | None,
+    batch: int,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``vmap(jac_and_value)`` as a loop over samples, stacked the same way.
+
+    Returns
+    -------
+    dict of torch.Tensor
+        Per parameter name, the stacked first results.
+    torch.Tensor
+        The stacked second results.
+
+    """
+    results = [
+        jac_and_value(
+            params,
+            {k: v[i] for k, v in x.items()} if isinstance(x, Mapping) else x[i],
+            None if selected is None else selected[i],
+        )
+        for i in range(batch)
+    ]
+    jac = {name: torch.stack([r[0][name] for r in results]) for name in params}
+    return jac, torch.stack([r[1] for r in results])

@@ -188,22 +188,21 @@ def _refusal(module: nn.Module, name: str) -> str | None:
         return kind.__name__
     if isinstance(module, _BATCHNORM) and module.training:
         raise UnsupportedModuleError(
-            f"BatchNorm layer '{name}' is in training mode, where per-sample "
+            f"{kind.__name__} layer '{name}' is in training mode, where per-sample "
             "Jacobians are not defined (the batch statistics couple the samples). "
             "Call model.eval() first."
         )
     if isinstance(module, INSTANCE_NORMS) and module.training:
         if module.track_running_stats:
             raise UnsupportedModuleError(
-                f"InstanceNorm layer '{name}' is in training mode with "
+                f"{kind.__name__} layer '{name}' is in training mode with "
                 "track_running_stats=True, so every call updates its running "
                 "statistics. Call model.eval() first."
             )
     if kind in _PADDED_CONVS and not _has_closed_form_conv(module):
         if module.padding_mode != "zeros":
-            return (
-                f"{kind.__name__} with padding_mode='{module.padding_mode}'"
-                + (" and groups > 1" if module.groups != 1 else "")
+            return f"{kind.__name__} with padding_mode='{module.padding_mode}'" + (
+                " and groups > 1" if module.groups != 1 else ""
             )
     if isinstance(module, nn.Embedding):
         return _rules_embedding.unsupported_reason(module)

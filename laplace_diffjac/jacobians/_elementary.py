@@ -1,12 +1,13 @@
 """Modules whose fused kernels differentiate wrongly, run in elementary operations.
 
 While either backend differentiates, the normalisations (``_rules_norm``: wrong
-higher derivatives of the fused kernels) and ``nn.PReLU`` (``_rules_prelu``: a
-wrong batching rule under nested ``vmap``) have their output replaced by the same
-computation in elementary operations, through forward hooks that live only for
-the call; so does ``nn.EmbeddingBag`` (no double backward) and ``weight_norm``. Modules that own wanted parameters are recorded through the same
-forwards by the engine (``FORWARDS`` in ``_derivatives``); the others are listed
-by :func:`rewritten_modules`.
+higher derivatives of the fused kernels), ``nn.PReLU`` (``_rules_prelu``: a wrong
+batching rule under nested ``vmap``), ``nn.EmbeddingBag`` (no double backward) and
+``weight_norm`` (wrong gradients through ``vmap(jacrev)``) have their output
+replaced by the same computation in elementary operations, through forward hooks
+that live only for the call. Modules that own wanted parameters are recorded
+through the same forwards by the engine (``FORWARDS`` in ``_derivatives``); the
+others are listed by :func:`rewritten_modules`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-
 from torch.nn.utils.parametrizations import _WeightNorm
 
 from ..errors import UnsupportedModuleError
 from ._layer_calls import LayerCall, RecordedForward, recorded_calls
 from ._rules_norm import NORM_FORWARDS
 from ._rules_prelu import recorded_prelu
+
 
 def recorded_embedding_bag(
     module: nn.Module, args: tuple, kwargs: dict

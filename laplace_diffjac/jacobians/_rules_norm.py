@@ -12,9 +12,9 @@ normalisation with elementary operations
 the saved mean and inverse standard deviation as constants: pytorch/pytorch#175754;
 torch 2.14: ``gradgradcheck`` of ``vmap(jacrev)`` of a Linear–LayerNorm–Linear
 network fails with respect to the first weight; the gradient of a function of
-InstanceNorm's ``vmap(jacrev)`` Jacobians is off by a few per cent), and the Jacobians' derivatives go
-through that double backward. The elementary form is differentiable to every
-order, and the factors reuse the kept ``x̂``.
+InstanceNorm's ``vmap(jacrev)`` Jacobians is off by a few per cent), and the
+Jacobians' derivatives go through that double backward. The elementary form is
+differentiable to every order, and the factors reuse the kept ``x̂``.
 """
 
 from __future__ import annotations

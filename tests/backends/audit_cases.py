@@ -146,19 +146,31 @@ CASES: dict[str, Case] = {
         (1, 2, 2, 2),
     ),
     "ConvTranspose1d": Case(lambda: nn.ConvTranspose1d(2, 2, 3), 12, (2, 4)),
-    "ConvTranspose2d": Case(lambda: nn.ConvTranspose2d(1, 2, 2, stride=2), 72, (1, 3, 3)),
+    "ConvTranspose2d": Case(
+        lambda: nn.ConvTranspose2d(1, 2, 2, stride=2), 72, (1, 3, 3)
+    ),
     "ConvTranspose3d": Case(lambda: nn.ConvTranspose3d(1, 1, 2), 27, (1, 2, 2, 2)),
     "BatchNorm1d": Case(_after_linear(nn.BatchNorm1d(6)), 6, (4,)),
+    "BatchNorm1d-train": Case(_after_linear(nn.BatchNorm1d(6)), 6, (4,), training=True),
     "BatchNorm2d": Case(
         lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), 8, (1, 4, 4)
     ),
     "BatchNorm3d": Case(lambda: nn.BatchNorm3d(1), 8, (1, 2, 2, 2)),
     "SyncBatchNorm": Case(_after_linear(nn.SyncBatchNorm(6)), 6, (4,)),
     "InstanceNorm1d": Case(lambda: nn.InstanceNorm1d(2, affine=True), 12, (2, 6)),
-    "InstanceNorm2d": Case(lambda: nn.InstanceNorm2d(2, affine=True), 18, (2, 3, 3)),
-    "InstanceNorm3d": Case(
-        lambda: nn.InstanceNorm3d(1, affine=True), 8, (1, 2, 2, 2)
+    "InstanceNorm1d-running-stats": Case(
+        lambda: nn.InstanceNorm1d(2, affine=True, track_running_stats=True),
+        12,
+        (2, 6),
     ),
+    "InstanceNorm1d-running-stats-train": Case(
+        lambda: nn.InstanceNorm1d(2, affine=True, track_running_stats=True),
+        12,
+        (2, 6),
+        training=True,
+    ),
+    "InstanceNorm2d": Case(lambda: nn.InstanceNorm2d(2, affine=True), 18, (2, 3, 3)),
+    "InstanceNorm3d": Case(lambda: nn.InstanceNorm3d(1, affine=True), 8, (1, 2, 2, 2)),
     "LayerNorm": Case(_after_linear(nn.LayerNorm(6)), 6, (4,)),
     "GroupNorm": Case(
         lambda: nn.Sequential(nn.Conv1d(2, 4, 3), nn.GroupNorm(2, 4)), 16, (2, 6)
@@ -260,5 +272,7 @@ CASES: dict[str, Case] = {
         lambda: nn.AdaptiveLogSoftmaxWithLoss(4, 5, cutoffs=[2]), 5, (4,), _log_prob
     ),
     "weight_norm-Linear": Case(lambda: weight_norm(nn.Linear(4, 6)), 6, (4,)),
-    "custom-parameter": Case(lambda: nn.Sequential(nn.Linear(4, 6), _Scale(6)), 6, (4,)),
+    "custom-parameter": Case(
+        lambda: nn.Sequential(nn.Linear(4, 6), _Scale(6)), 6, (4,)
+    ),
 }

@@ -52,6 +52,12 @@ def _audit(case: Case, backend_cls: type) -> UnsupportedModuleError | None:
     torch.testing.assert_close(J, J_ref.detach(), rtol=1e-10, atol=1e-10)
     _check_reference_first_derivatives(model, x, J_ref.detach())
     _check_gradients_through_jacobians(model, x, backend_cls)
+    if hasattr(backend_cls, "gradients"):  # per-sample gradients, same engine
+        y = torch.randn_like(f_ref)
+        Gs, _ = backend_cls(model, "regression").gradients(x, y)
+        residual = 2 * (f_ref - y).detach()  # of the summed squared error
+        G_ref = torch.einsum("bc,bcp->bp", residual, J_ref.detach())
+        torch.testing.assert_close(Gs, G_ref, rtol=1e-10, atol=1e-10)
     return None
 
 
@@ -101,7 +107,8 @@ def _scalar(J: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 
 
 def _check_gradients_through_jacobians(model, x, backend_cls):
-    """Gradients of ``_scalar(J, f)`` in the input and parameters: central differences."""
+    """Gradients of ``_scalar(J, f)`` in the input and the parameters, against
+    central differences of the loop's values."""
     floating = x.is_floating_point()
     x_in = x.clone().requires_grad_(True) if floating else x
     J, f = backend_cls(model, "regression").jacobians(x_in, enable_backprop=True)
@@ -130,7 +137,9 @@ def _check_gradients_through_jacobians(model, x, backend_cls):
 
 
 def _suggested(message: str, refusing: type) -> set[type]:
-    named = set(re.findall(r"\b(DiffBackPackGGN|DiffBackPackEF|DiffFuncGGN)\b", message))
+    named = set(
+        re.findall(r"\b(DiffBackPackGGN|DiffBackPackEF|DiffFuncGGN)\b", message)
+    )
     return {BACKENDS[n] for n in named} - {refusing}
 
 
@@ -174,9 +183,9 @@ def _parameterised_nn_classes() -> set[type]:
 
 
 def test_audit_covers_every_parameterised_nn_module():
-    audited = {
-        type(m) for case in CASES.values() for m in case.model().modules()
-    } - {AuditNet}
+    audited = {type(m) for case in CASES.values() for m in case.model().modules()} - {
+        AuditNet
+    }
     missing = set()
     for cls in _parameterised_nn_classes():
         # lazy modules turn into their eager class at their first call
