@@ -35,6 +35,7 @@ from ..jacobians._model_guard import preserved_state
 from ._functorch_support import (
     check_functorch_support,
     quiet_batching_fallbacks,
+    refused_packed_sequences,
     runs_sample_by_sample,
     sample_loop,
     without_onednn,
@@ -190,6 +191,7 @@ class DiffFuncGGN(GGNInterface):
             # composite attention: the fused CPU kernels have no double backward
             sdpa_kernel([SDPBackend.MATH]),
             quiet_batching_fallbacks(),
+            refused_packed_sequences(self.model),
         ):
             if runs_sample_by_sample(self.model):
                 with without_onednn():

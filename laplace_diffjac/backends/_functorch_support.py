@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import UnsupportedModuleError
 from ..jacobians._functorch_refusals import functorch_refusals
+from ..jacobians._rules_recurrent import refuse_packed_sequence
 
 #: Module types that ``vmap`` over samples cannot run.
 SAMPLE_BY_SAMPLE = (nn.RNNBase, nn.RNNCellBase)
@@ -54,6 +55,33 @@ def runs_sample_by_sample(model: nn.Module) -> bool:
 
     """
     return any(isinstance(m, SAMPLE_BY_SAMPLE) for m in model.modules())
+
+
+@contextmanager
+def refused_packed_sequences(model: nn.Module) -> Iterator[None]:
+    """Inside the block, a recurrent layer called with a ``PackedSequence`` raises.
+
+    Forward pre-hooks that live only for the block.
+
+    Yields
+    ------
+    None
+
+    """
+
+    def check(module: nn.Module, args: tuple) -> None:
+        refuse_packed_sequence(module, args)
+
+    handles = [
+        m.register_forward_pre_hook(check)
+        for m in model.modules()
+        if isinstance(m, nn.RNNBase)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager

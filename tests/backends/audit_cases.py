@@ -65,6 +65,8 @@ class Case:
     run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     tokens: int = 0  # > 0: integer inputs in [0, tokens)
     training: bool = False
+    #: refused only once the model runs (what decides it is seen only then)
+    refused_while_running: bool = False
 
     def model(self) -> AuditNet:
         torch.manual_seed(0)
@@ -103,6 +105,17 @@ def _self_attention(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _with_memory(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x, x)
+
+
+def _attention_weights(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out, weights = module(x, x, x, need_weights=True)
+    return torch.cat([out.flatten(1), weights.flatten(1)], 1)
+
+
+def _packed(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    lengths = torch.full((x.shape[0],), x.shape[1])
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+    return module(packed)[1][-1]
 
 
 def _log_prob(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -211,6 +224,13 @@ CASES: dict[str, Case] = {
         (3, 4),
         _self_attention,
     ),
+    "MultiheadAttention-returned-weights": Case(
+        lambda: nn.MultiheadAttention(4, 2, batch_first=True),
+        21,
+        (3, 4),
+        _attention_weights,
+        refused_while_running=True,
+    ),
     "MultiheadAttention-dropout-train": Case(
         lambda: nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True),
         12,
@@ -258,6 +278,13 @@ CASES: dict[str, Case] = {
     "RNN": Case(lambda: nn.RNN(4, 3, batch_first=True), 9, (3, 4), _first),
     "LSTM": Case(lambda: nn.LSTM(4, 3, batch_first=True), 9, (3, 4), _first),
     "GRU": Case(lambda: nn.GRU(4, 3, batch_first=True), 9, (3, 4), _first),
+    "GRU-packed": Case(
+        lambda: nn.GRU(4, 3, batch_first=True),
+        3,
+        (3, 4),
+        _packed,
+        refused_while_running=True,
+    ),
     "LSTM-dropout-train": Case(
         lambda: nn.LSTM(4, 3, num_layers=2, dropout=0.5, batch_first=True),
         9,

@@ -43,7 +43,8 @@ def _audit(case: Case, backend_cls: type) -> UnsupportedModuleError | None:
     try:
         J, f = backend_cls(model, "regression").jacobians(x)
     except UnsupportedModuleError as err:
-        assert model.forward_calls == [0], "refused after running the model"
+        if not case.refused_while_running:
+            assert model.forward_calls == [0], "refused after running the model"
         assert_same_state(before, model_state(model))
         return err
     J_ref, f_ref = loop_jacobians(model, x)
