@@ -196,3 +196,25 @@ def test_audit_covers_every_parameterised_nn_module():
     assert not missing
     composites = {nn.AdaptiveLogSoftmaxWithLoss, nn.TransformerEncoder}
     assert composites | {nn.TransformerDecoder, nn.RNNCell} <= audited
+
+
+@pytest.mark.parametrize("batch", [2, 5], ids=["B=C", "B!=C"])
+@pytest.mark.parametrize("backend_cls", [DiffBackPackGGN, DiffFuncGGN])
+def test_frozen_prelu_is_differentiated_through_rightly(backend_cls, batch):
+    """A PReLU without trainable parameters still runs in its elementary form, so
+    gradients through it are right at B == C and B != C."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.PReLU(4), nn.Linear(4, 2)).double()
+    model[1].weight.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    x = torch.randn(batch, 3, dtype=torch.float64)
+    x_in = x.clone().requires_grad_(True)
+    J, f = backend_cls(model, "regression").jacobians(x_in, enable_backprop=True)
+    J_ref, _ = loop_jacobians(model, x, trainable)
+    torch.testing.assert_close(J, J_ref.detach(), rtol=1e-10, atol=1e-10)
+    (g,) = torch.autograd.grad(_scalar(J, f), x_in)
+    u = torch.randn_like(x)
+    expected = central_difference(
+        lambda t: _scalar(*loop_jacobians(model, x + t * u, trainable))
+    )
+    torch.testing.assert_close((g * u).sum(), expected, rtol=1e-6, atol=1e-8)
