@@ -1,11 +1,16 @@
-"""Independent references the tests compare against: float64 ``torch.func``.
+"""Independent references the tests compare against.
 
-Nothing here imports ``laplace_diffjac``.
+:func:`loop_jacobians` is the primary reference: one ``torch.autograd.grad`` per
+sample and output, no ``torch.func``, so it shares no batching rule with either
+backend. :func:`central_difference` checks what is differentiated through the
+Jacobians without any double backward. :func:`reference_jacobians`
+(``vmap(jacrev)``, the same computation as ``DiffFuncGGN``) is a second reference,
+never the only one. Nothing here imports ``laplace_diffjac``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -37,6 +42,34 @@ def reference_jacobians(
         if loop:
             return _autograd_loop(model, x, chosen)
         return _vmap_jacrev(model, x, chosen)
+
+
+def loop_jacobians(
+    model: nn.Module,
+    x: torch.Tensor | Mapping[str, torch.Tensor],
+    params: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample, per-output ``autograd.grad``: ``(batch, C, P)``, ``(batch, C)``.
+
+    The model is called on one sample at a time (a batch of one), and every output
+    is differentiated on its own with ``create_graph=True``, so the result is
+    differentiable with respect to ``x`` and the parameters. No ``vmap``.
+    """
+    chosen = list(model.parameters()) if params is None else list(params)
+    with _composite_attention():
+        return _autograd_loop(model, x, chosen)
+
+
+def central_difference(
+    fn: Callable[[float], torch.Tensor], step: float = 1e-5
+) -> torch.Tensor:
+    """``(fn(step) - fn(-step)) / (2 step)``: the derivative of ``fn`` at 0.
+
+    ``fn`` maps a scalar offset along a fixed direction to a scalar; the result
+    approximates its directional derivative to ``O(step**2)`` without any
+    autograd through ``fn``.
+    """
+    return ((fn(step) - fn(-step)) / (2 * step)).detach()
 
 
 def _vmap_jacrev(model, x, chosen):

@@ -2,8 +2,11 @@
 
 Jacobians are per-sample ``vmap(jacrev(functional_call))``, so the cost grows
 linearly with the batch (whole-batch ``jacrev`` grows quadratically); models with
-recurrent layers (``nn.RNN``/``nn.LSTM``/``nn.GRU``, whose fused kernels ``vmap``
-cannot batch) take ``jacrev`` sample by sample instead. Works for any
+recurrent layers or cells (``nn.RNN``/``nn.LSTM``/``nn.GRU``, whose fused kernels
+``vmap`` cannot batch, and ``nn.RNNCell``/``LSTMCell``/``GRUCell``) take
+``jacrev`` sample by sample instead. Normalisations and ``nn.PReLU`` run in
+elementary operations (``jacobians/_elementary.py``: PyTorch's derivatives of
+their fused kernels are wrong under these transforms). Works for any
 model ``torch.func`` can trace (LayerNorm, attention, custom functions) and for
 dict-like inputs. ``torch.func`` never touches ``.grad``, registers no hooks and
 stores nothing on the model.
@@ -11,25 +14,32 @@ stores nothing on the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from laplace.curvature import GGNInterface
 from laplace.utils import Kron
 from torch import nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call, grad, jacrev, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidInputError, UnsupportedModuleError
+from ..jacobians._elementary import elementary_forms
 from ..jacobians._inputs import (
     check_mapping_or_tensor_batch,
     check_model_output,
 )
 from ..jacobians._last_layer import last_layer_jacobians
 from ..jacobians._model_guard import preserved_state
-from ..jacobians._rules_norm import elementary_normalisations
+from ._functorch_support import (
+    check_functorch_support,
+    quiet_batching_fallbacks,
+    refused_packed_sequences,
+    runs_sample_by_sample,
+    sample_loop,
+    without_onednn,
+)
 from ._kfac import check_kfac_support, kfac_factors
 
 
@@ -125,6 +135,7 @@ class DiffFuncGGN(GGNInterface):
                 f"{batch}; pass one row of output indices per input."
             )
         _check_no_backward_hooks(self.model)
+        check_functorch_support(self.model)
         params = self._named_params()
         single = self._per_sample_outputs(x, params)
         if selected is not None:
@@ -139,22 +150,10 @@ class DiffFuncGGN(GGNInterface):
         def jac_and_value(p: dict[str, torch.Tensor], xi: Any, sel: Any) -> tuple:
             return jacrev(lambda q: with_aux(q, xi, sel), has_aux=True)(p)
 
-        in_dims = (None, 0, None if selected is None else 0)
         if not enable_backprop:
             x = _detach(x)
-        # functional_call rebinds RNN modules' flat-weight lists: put them back.
-        with (
-            torch.set_grad_enabled(enable_backprop),
-            preserved_state(self.model),
-            elementary_normalisations(self.model),  # right higher derivatives
-            # composite attention: the fused CPU kernels have no double backward
-            sdpa_kernel([SDPBackend.MATH]),
-        ):
-            if _has_recurrent_layers(self.model):
-                with _without_onednn():
-                    jac, f = _sample_loop(jac_and_value, params, x, selected, batch)
-            else:
-                jac, f = vmap(jac_and_value, in_dims=in_dims)(params, x, selected)
+        with torch.set_grad_enabled(enable_backprop):
+            jac, f = self._per_sample(jac_and_value, params, x, selected, batch)
             Js = torch.cat([j.flatten(start_dim=2) for j in jac.values()], dim=2)
         f = check_model_output(f, batch)
         if self.subnetwork_indices is not None:
@@ -162,6 +161,85 @@ class DiffFuncGGN(GGNInterface):
         if not enable_backprop:
             return Js.detach(), f.detach()
         return Js, f
+
+    def _per_sample(
+        self,
+        fn: Callable,
+        params: dict[str, torch.Tensor],
+        x: Any,
+        per_sample: torch.Tensor | None,
+        batch: int,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``vmap(fn)`` over the samples of ``x`` (and ``per_sample``), or a loop.
+
+        Runs inside everything the transforms need: the model's state kept, the
+        elementary forms of norms and PReLU, the composite attention kernel.
+
+        Returns
+        -------
+        dict of torch.Tensor
+            The first results of ``fn``, stacked over samples, by parameter name.
+        torch.Tensor
+            Its second results, stacked.
+
+        """
+        in_dims = (None, 0, None if per_sample is None else 0)
+        # functional_call rebinds RNN modules' flat-weight lists: put them back.
+        with (
+            preserved_state(self.model),
+            elementary_forms(self.model),  # norms, PReLU: right derivatives
+            # composite attention: the fused CPU kernels have no double backward
+            sdpa_kernel([SDPBackend.MATH]),
+            quiet_batching_fallbacks(),
+            refused_packed_sequences(self.model),
+        ):
+            if runs_sample_by_sample(self.model):
+                with without_onednn():
+                    return sample_loop(fn, params, x, per_sample, batch)
+            return vmap(fn, in_dims=in_dims)(params, x, per_sample)
+
+    def gradients(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample gradients of the sum-reduced loss, on the same transforms.
+
+        Parameters
+        ----------
+        x : torch.Tensor or mapping
+            Input batch ``(batch, *input_shape)``, or a mapping of such tensors.
+        y : torch.Tensor
+            Targets ``(batch, ...)``.
+
+        Returns
+        -------
+        Gs : torch.Tensor
+            ``(batch, parameters)``, detached.
+        loss : torch.Tensor
+            Scalar loss (not multiplied by ``factor``, as in laplace-torch).
+
+        """
+        batch = check_mapping_or_tensor_batch(x, self.model, type(self).__name__)
+        if isinstance(x, Mapping):
+            x = {k: v for k, v in x.items() if isinstance(v, torch.Tensor)}
+        _check_no_backward_hooks(self.model)
+        check_functorch_support(self.model)
+        params = self._named_params()
+        single = self._per_sample_outputs(x, params)
+        lossfunc = self.lossfunc
+
+        def grad_and_loss(p: dict[str, torch.Tensor], xi: Any, yi: Any) -> tuple:
+            def loss_of(q: dict[str, torch.Tensor]) -> tuple:
+                loss = lossfunc(single(q, xi).unsqueeze(0), yi.unsqueeze(0))
+                return loss, loss
+
+            return grad(loss_of, has_aux=True)(p)
+
+        with torch.no_grad():
+            grads, losses = self._per_sample(
+                grad_and_loss, params, _detach(x), y, batch
+            )
+        Gs = torch.cat([g.flatten(start_dim=1) for g in grads.values()], dim=1)
+        if self.subnetwork_indices is not None:
+            Gs = Gs[:, self.subnetwork_indices]
+        return Gs.detach(), losses.sum().detach()
 
     def last_layer_jacobians(
         self, x: Any, enable_backprop: bool = False
@@ -262,58 +340,6 @@ class _FlatOutputs(nn.Module):
     def forward(self, x: Any) -> torch.Tensor:
         f = self.model(x)
         return f.reshape(-1, f.shape[-1])
-
-
-def _has_recurrent_layers(model: nn.Module) -> bool:
-    """Whether ``model`` holds an ``nn.RNN``/``nn.LSTM``/``nn.GRU``.
-
-    Their fused kernels (``_VF.lstm``, oneDNN's ``mkldnn_rnn_layer``) have no
-    ``vmap`` batching rule and write into hidden states created unbatched, so
-    ``vmap`` over samples fails; ``jacrev`` per sample works.
-
-    Returns
-    -------
-    bool
-        ``True`` if some submodule is an ``nn.RNNBase``.
-
-    """
-    return any(isinstance(m, nn.RNNBase) for m in model.modules())
-
-
-@contextmanager
-def _without_onednn() -> Iterator[None]:
-    """Run recurrent layers on ATen's kernels, not oneDNN's, for this call only.
-
-    oneDNN's ``mkldnn_rnn_layer`` (float32 on CPU) has no ``torch.func`` backward
-    ("undefined Tensor ... 'workspace'"). ``torch.backends.mkldnn.flags`` would do
-    the same but warns about TF32 on every use.
-    """
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)
-
-
-def _sample_loop(
-    jac_and_value: Any,
-    params: dict[str, torch.Tensor],
-    x: Any,
-    selected: torch.Tensor | None,
-    batch: int,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """``vmap(jac_and_value)`` as a loop over samples, stacked the same way."""
-    results = [
-        jac_and_value(
-            params,
-            {k: v[i] for k, v in x.items()} if isinstance(x, Mapping) else x[i],
-            None if selected is None else selected[i],
-        )
-        for i in range(batch)
-    ]
-    jac = {name: torch.stack([r[0][name] for r in results]) for name in params}
-    return jac, torch.stack([r[1] for r in results])
 
 
 def _check_no_backward_hooks(model: nn.Module) -> None:

@@ -22,6 +22,7 @@ from laplace.utils import Kron
 from torch import nn
 
 from ..errors import UnsupportedModuleError
+from ..jacobians._functorch_refusals import functorch_refusals, kfac_refusals
 from ..jacobians._layer_calls import recorded_calls
 from ..jacobians._model_guard import preserved_state
 
@@ -42,32 +43,22 @@ def check_kfac_support(model: nn.Module, params: Sequence[torch.Tensor]) -> None
         Naming the modules curvlinops' KFAC cannot factorise.
 
     """
-    wanted = {id(p) for p in params}
-    others = sorted(
-        f"{name or '<root>'} ({type(module).__name__})"
-        for name, module in model.named_modules()
-        if not isinstance(module, (nn.Linear, nn.Conv2d))
-        and any(id(p) in wanted for p in module.parameters(recurse=False))
-    )
-    others += sorted(
-        f"{name} (Conv2d with groups, string padding or non-zero padding mode)"
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Conv2d)
-        and any(id(p) in wanted for p in module.parameters(recurse=False))
-        and (
-            module.groups != 1
-            or isinstance(module.padding, str)
-            or module.padding_mode != "zeros"
-        )
-    )
+    others = kfac_refusals(model, params)
     if others:
         raise UnsupportedModuleError(
             "Kronecker factors (curvlinops KFAC) exist for nn.Linear and nn.Conv2d "
             f"(groups=1, zero padding) parameters only; {others} own trainable "
-            "parameters. Freeze them "
-            "(requires_grad=False), use hessian_structure='diag' or 'full', or "
-            "DiffBackPackGGN where BackPACK's KFLR supports the model."
+            "parameters. Freeze them (requires_grad=False) or use "
+            f"hessian_structure='diag' or 'full'{_diag_full_route(model)}."
         )
+
+
+def _diag_full_route(model: nn.Module) -> str:
+    """Where ``'diag'``/``'full'`` work: with ``DiffFuncGGN``, unless it refuses."""
+    refused = functorch_refusals(model)
+    if not refused:
+        return " with this backend"
+    return f" after fixing {', '.join(refused)}"
 
 
 def kfac_factors(

@@ -21,6 +21,8 @@ from backpack.utils.module_classification import is_no_op
 from torch import nn
 
 from ..errors import UnsupportedModuleError
+from ._derivatives import owning_modules
+from ._functorch_refusals import functorch_refusals, kfac_refusals
 from ._model_guard import preserved_state
 from ._warnings import quiet_full_backward_hook_warning
 
@@ -93,14 +95,13 @@ def run_extension(
                 # leaves a module without one.
                 raise UnsupportedModuleError(
                     f"BackPACK's {type(extension).__name__} needs a sequential model; "
-                    f"this one branches ({err}). Jacobians, gradients and 'full' "
-                    "still work; for 'diag'/'kron' use laplace_diffjac.DiffFuncGGN."
+                    f"this one branches ({err}). "
+                    f"{curvature_routes(model, root, params)}"
                 ) from err
             except NotImplementedError as err:
                 raise UnsupportedModuleError(
                     f"BackPACK's {type(extension).__name__} does not support a module "
-                    f"of this model ({err}). Jacobian-based methods still work; for "
-                    "diag/full curvature use laplace_diffjac.DiffFuncGGN."
+                    f"of this model ({err}). {curvature_routes(model, root, params)}"
                 ) from err
         missing = [i for i, p in enumerate(params) if not hasattr(p, savefield)]
         if missing:
@@ -110,6 +111,42 @@ def run_extension(
             )
         results = [getattr(p, savefield) for p in params]
     return loss.detach(), results
+
+
+def curvature_routes(
+    model: nn.Module, root: nn.Module, params: Sequence[torch.Tensor]
+) -> str:
+    """The curvature structures and backends that do work on this model.
+
+    ``'full'`` from this backend's Jacobians if its engine has a rule for every
+    module; ``'diag'`` and ``'full'`` from ``DiffFuncGGN`` unless it refuses a
+    module, and its ``'kron'`` if curvlinops' KFAC factorises every parameter.
+
+    Returns
+    -------
+    str
+        One or two sentences.
+
+    """
+    routes = []
+    try:
+        owning_modules(root, params)
+        routes.append("with this backend hessian_structure='full' works")
+    except UnsupportedModuleError:
+        pass
+    refused = functorch_refusals(model)
+    if not refused:
+        kinds = "'diag' and 'full'"
+        if not kfac_refusals(root, params):
+            kinds = "'diag', 'full' and 'kron'"
+        routes.append(f"{kinds} work with laplace_diffjac.DiffFuncGGN")
+    if not routes:
+        return (
+            "No backend of this package takes the model as it is: "
+            f"{', '.join(refused)}."
+        )
+    sentence = "; ".join(routes)
+    return sentence[0].upper() + sentence[1:] + "."
 
 
 @contextmanager

@@ -15,7 +15,7 @@ the module only for the duration of one call.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Optional, Union, cast
+from typing import Any, Optional
 
 import torch
 from backpack.core.derivatives.basederivatives import BaseParameterDerivatives
@@ -32,8 +32,17 @@ from torch import nn
 from ..errors import UnsupportedModuleError
 from . import _rules_attention, _rules_embedding, _rules_recurrent
 from ._assembly import Dense, Factors, Product, Summed
+from ._elementary import ELEMENTARY_FORWARDS
+from ._functorch_refusals import functorch_refusal
 from ._layer_calls import LayerCall, RecordedForward
-from ._rules_norm import NORM_FORWARDS, group_norm_factors, layer_norm_factors
+from ._rules_conv import (
+    PADDED_CONVS,
+    batch_first,
+    conv_factors,
+    has_closed_form_conv,
+)
+from ._rules_norm import INSTANCE_NORMS, group_norm_factors, layer_norm_factors
+from ._rules_prelu import prelu_factors
 
 Signals = tuple[Optional[torch.Tensor], ...]
 Rule = Callable[[LayerCall, Signals, set[int]], list[tuple[int, Factors]]]
@@ -45,6 +54,8 @@ RULES: dict[type[nn.Module], Rule] = {
     nn.Embedding: _rules_embedding.embedding_factors,
     nn.LayerNorm: layer_norm_factors,
     nn.GroupNorm: group_norm_factors,
+    **{t: group_norm_factors for t in INSTANCE_NORMS},
+    nn.PReLU: prelu_factors,
     nn.MultiheadAttention: _rules_attention.attention_factors,
     **{t: _rules_recurrent.recurrent_factors for t in _rules_recurrent.RECURRENT},
 }
@@ -54,7 +65,7 @@ RULES: dict[type[nn.Module], Rule] = {
 #: :func:`.layer_calls.recorded_calls`), so that their rule gets signals inside.
 FORWARDS: dict[type[nn.Module], RecordedForward] = {
     nn.MultiheadAttention: _rules_attention.recorded_forward,
-    **NORM_FORWARDS,
+    **ELEMENTARY_FORWARDS,
 }
 
 
@@ -118,17 +129,16 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
         found.update(id(p) for p in own)
         reason = _refusal(module, name)
         if reason is not None:
-            unsupported.append(f"{name or '<root>'} ({reason})")
+            unsupported.append(f"{name or '<root>'} ({reason}: {_route(module)})")
             continue
         owners.append(module)
     if unsupported:
         supported = ", ".join(sorted(t.__name__ for t in (*DERIVATIVES, *RULES)))
         raise UnsupportedModuleError(
-            "The BackPACK backend has no per-sample Jacobian rule for the "
-            f"parameterised module(s) {', '.join(unsupported)}. Supported: "
+            "The BackPACK backends have no per-sample Jacobian rule for the "
+            f"parameterised module(s) {'; '.join(unsupported)}. Supported: "
             f"{supported}. Parameter-free modules (activations, pooling, reshapes, "
-            "custom functions) are always fine. Use "
-            "laplace_diffjac.DiffFuncGGN (torch.func) for this model."
+            "custom functions) are always fine."
         )
     if len(found) != len(wanted):
         raise UnsupportedModuleError(
@@ -152,6 +162,8 @@ def check_batch_first(calls: Iterable[LayerCall], batch: int, root: nn.Module) -
 
     """
     for call in calls:
+        if isinstance(call.module, nn.RNNBase):
+            _rules_recurrent.refuse_packed_sequence(call.module, call.inputs)
         if isinstance(call.module, _SEQUENCE_AWARE):
             continue
         lead = call.output.shape[0] if call.output.dim() else 1
@@ -169,6 +181,16 @@ def check_batch_first(calls: Iterable[LayerCall], batch: int, root: nn.Module) -
             )
 
 
+def _route(module: nn.Module) -> str:
+    """What works instead: ``DiffFuncGGN`` where it does, else the fix."""
+    elsewhere = functorch_refusal(module)
+    if elsewhere is None and isinstance(module, nn.EmbeddingBag):
+        return "use laplace_diffjac.DiffFuncGGN, with one bag per row of a 2-D input"
+    if elsewhere is None:
+        return "use laplace_diffjac.DiffFuncGGN for this model"
+    return f"no backend takes it as it is; {elsewhere.split(': ', 1)[-1]}"
+
+
 def _refusal(module: nn.Module, name: str) -> str | None:
     """Why ``module`` has no rule (``None`` if it has one); raise for BatchNorm."""
     kind = type(module)
@@ -176,10 +198,22 @@ def _refusal(module: nn.Module, name: str) -> str | None:
         return kind.__name__
     if isinstance(module, _BATCHNORM) and module.training:
         raise UnsupportedModuleError(
-            f"BatchNorm layer '{name}' is in training mode, where per-sample "
+            f"{kind.__name__} layer '{name}' is in training mode, where per-sample "
             "Jacobians are not defined (the batch statistics couple the samples). "
             "Call model.eval() first."
         )
+    if isinstance(module, INSTANCE_NORMS) and module.training:
+        if module.track_running_stats:
+            raise UnsupportedModuleError(
+                f"{kind.__name__} layer '{name}' is in training mode with "
+                "track_running_stats=True, so every call updates its running "
+                "statistics. Call model.eval() first."
+            )
+    if kind in PADDED_CONVS and not has_closed_form_conv(module):
+        if module.padding_mode != "zeros":
+            return f"{kind.__name__} with padding_mode='{module.padding_mode}'" + (
+                " and groups > 1" if module.groups != 1 else ""
+            )
     if isinstance(module, nn.Embedding):
         return _rules_embedding.unsupported_reason(module)
     if isinstance(module, nn.MultiheadAttention):
@@ -235,8 +269,8 @@ def param_jacobian_factors(
             continue
         elif type(call.module) is nn.Linear:
             blocks = _linear_factors(call, grad, wanted)
-        elif _has_closed_form_conv(call.module):
-            blocks = _conv_factors(call, grad, wanted)
+        elif has_closed_form_conv(call.module):
+            blocks = conv_factors(call, grad, wanted)
         else:
             blocks = _backpack_blocks(call, grad, wanted)
         for key, factors in blocks:
@@ -267,78 +301,10 @@ def _linear_factors(
     blocks: list[tuple[int, Factors]] = []
     if id(module.weight) in wanted:
         a = call.inputs[0].reshape(batch, -1, module.in_features)  # (B, T, in)
-        blocks.append((id(module.weight), Product(_batch_first(g), a)))
+        blocks.append((id(module.weight), Product(batch_first(g), a)))
     if module.bias is not None and id(module.bias) in wanted:
         blocks.append((id(module.bias), Summed(g)))
     return blocks
-
-
-def _batch_first(g: torch.Tensor) -> torch.Tensor:
-    """``(V, B, out, L)`` signals as ``(B, V, out, L)``: a view for ``L == 1``.
-
-    With more than one position the product is a ``bmm`` over the batch, whose
-    left factor must be contiguous; the copy is made here, in the autograd graph,
-    so that the Jacobian stays differentiable twice.
-
-    Returns
-    -------
-    torch.Tensor
-        ``(B, V, out, L)``.
-
-    """
-    g = g.transpose(0, 1)
-    return g if g.shape[3] == 1 else g.contiguous()
-
-
-def _has_closed_form_conv(module: nn.Module) -> bool:
-    return bool(
-        type(module) in (nn.Conv1d, nn.Conv2d)
-        and module.groups == 1
-        and module.padding_mode == "zeros"
-        and not isinstance(module.padding, str)
-    )
-
-
-def _conv_factors(
-    call: LayerCall, grad: torch.Tensor, wanted: set[int]
-) -> list[tuple[int, Factors]]:
-    """Closed-form ``nn.Conv1d``/``nn.Conv2d`` factors (groups 1, zero padding).
-
-    A convolution is a Linear layer applied at every output position to the
-    unfolded input patches ``(batch, C_in·∏kernel, L)``, so its factors are those
-    of :func:`_linear_factors` with the ``L`` positions as the extra dimensions. A
-    1-D convolution is unfolded as a 2-D one of height 1.
-
-    Returns
-    -------
-    list of (int, Factors)
-        As for :func:`_linear_factors`, with the unfolded patches as inputs.
-
-    """
-    module = cast(Union[nn.Conv1d, nn.Conv2d], call.module)
-    n_rows, batch = grad.shape[0], grad.shape[1]
-    g = grad.reshape(n_rows, batch, module.out_channels, -1)  # (V, B, out, L)
-    blocks: list[tuple[int, Factors]] = []
-    if id(module.weight) in wanted:
-        x, geometry = call.inputs[0], _conv_geometry(module)
-        if isinstance(module, nn.Conv1d):
-            x = x.unsqueeze(2)  # (B, C_in, 1, L_in)
-        patches = torch.nn.functional.unfold(x, **geometry)  # (B, C_in·k, L)
-        blocks.append(
-            (id(module.weight), Product(_batch_first(g), patches.transpose(1, 2)))
-        )
-    if module.bias is not None and id(module.bias) in wanted:
-        blocks.append((id(module.bias), Summed(g)))
-    return blocks
-
-
-def _conv_geometry(module: nn.Conv1d | nn.Conv2d) -> dict[str, tuple[int, ...]]:
-    """Kernel size, dilation, padding and stride for ``unfold`` (2-D)."""
-    names = ("kernel_size", "dilation", "padding", "stride")
-    values = {n: cast(tuple[int, ...], getattr(module, n)) for n in names}
-    if isinstance(module, nn.Conv1d):  # height 1: kernel 1, dilation 1, no padding
-        return {n: ((1 if n != "padding" else 0), *v) for n, v in values.items()}
-    return values
 
 
 def _backpack_blocks(

@@ -36,10 +36,10 @@ from ._derivatives import (
     owning_modules,
     param_jacobian_factors,
 )
+from ._elementary import rewritten_modules
 from ._inputs import batch_size, check_model_output, detached
 from ._layer_calls import recorded_calls
 from ._model_guard import preserved_state
-from ._rules_norm import rewritten_modules
 from ._sequence_first import batch_first_encoders
 from ._warnings import quiet_full_backward_hook_warning
 

@@ -1,30 +1,29 @@
-"""Closed-form per-sample Jacobian factors of ``nn.LayerNorm`` and ``nn.GroupNorm``.
+"""Closed-form per-sample Jacobian factors of LayerNorm, GroupNorm, InstanceNorm.
 
-Both normalise each sample on its own, ``y = x̂ · w + b`` with ``x̂`` the normalised
+All three normalise each sample on its own, ``y = x̂ · w + b`` with ``x̂`` the normalised
 input, so with signals ``g`` at the output the per-sample weight block is
 ``Σ_positions g · x̂`` and the bias block ``Σ_positions g``.
 
-While the engine records the forward pass, :func:`recorded_layer_norm` and
-:func:`recorded_group_norm` redo the normalisation with elementary operations
+While the engine records the forward pass, :func:`recorded_layer_norm`,
+:func:`recorded_group_norm` and :func:`recorded_instance_norm` redo the
+normalisation with elementary operations
 (mean, variance, ``rsqrt``) and keep ``x̂``: PyTorch's fused ``layer_norm`` and
 ``group_norm`` kernels have wrong third derivatives (their double backward treats
 the saved mean and inverse standard deviation as constants: pytorch/pytorch#175754;
 torch 2.14: ``gradgradcheck`` of ``vmap(jacrev)`` of a Linear–LayerNorm–Linear
-network fails with respect to the first weight), and the Jacobians' derivatives go
-through that double backward. The elementary form is differentiable to every
-order, and the factors reuse the kept ``x̂``.
+network fails with respect to the first weight; the gradient of a function of
+InstanceNorm's ``vmap(jacrev)`` Jacobians is off by a few per cent), and the
+Jacobians' derivatives go through that double backward. The elementary form is
+differentiable to every order, and the factors reuse the kept ``x̂``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from ._assembly import Dense, Factors, Summed
-from ._layer_calls import LayerCall, RecordedForward, recorded_calls
+from ._layer_calls import LayerCall, RecordedForward
 
 
 def recorded_layer_norm(
@@ -86,6 +85,44 @@ def recorded_group_norm(
     return LayerCall(m, (x,), out, {"x_hat": x_hat}, (out,)), out
 
 
+def recorded_instance_norm(
+    module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[LayerCall, torch.Tensor]:
+    """``module(*args)`` for an ``nn.InstanceNorm1d/2d/3d``, in elementary operations.
+
+    Each sample and channel is normalised over its positions, or, in evaluation
+    mode with ``track_running_stats``, with the running statistics.
+
+    Parameters
+    ----------
+    module : torch.nn.modules.instancenorm._InstanceNorm
+        The module (batched input ``(batch, C, *spatial)``).
+    args, kwargs
+        The arguments of its call.
+
+    Returns
+    -------
+    call : LayerCall
+        The call, ``kwargs["x_hat"]`` the normalised input.
+    output : torch.Tensor
+        Equal to the module's output.
+
+    """
+    m: nn.modules.instancenorm._InstanceNorm = module  # type: ignore[assignment]
+    (x,) = args
+    shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
+    if m.training or not m.track_running_stats:
+        x_hat = _normalised(x, tuple(range(2, x.dim())), m.eps)
+    else:
+        assert m.running_mean is not None and m.running_var is not None
+        mean, var = m.running_mean.reshape(shape), m.running_var.reshape(shape)
+        x_hat = (x - mean) * torch.rsqrt(var + m.eps)
+    weight = None if m.weight is None else m.weight.reshape(shape)
+    bias = None if m.bias is None else m.bias.reshape(shape)
+    out = _affine(x_hat, weight, bias)
+    return LayerCall(m, (x,), out, {"x_hat": x_hat}, (out,)), out
+
+
 def _normalised(x: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:
     """``(x − mean) / √(var + eps)`` over ``dims`` (biased variance)."""
     centred = x - x.mean(dims, keepdim=True)
@@ -99,10 +136,13 @@ def _affine(
     return out if bias is None else out + bias
 
 
+INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
 #: The normalisations redone while recording (see the module docstring).
 NORM_FORWARDS: dict[type[nn.Module], RecordedForward] = {
     nn.LayerNorm: recorded_layer_norm,
     nn.GroupNorm: recorded_group_norm,
+    **{t: recorded_instance_norm for t in INSTANCE_NORMS},
 }
 
 
@@ -145,7 +185,7 @@ def layer_norm_factors(
 def group_norm_factors(
     call: LayerCall, grads: tuple[torch.Tensor | None, ...], wanted: set[int]
 ) -> list[tuple[int, Factors]]:
-    """Factors of ``nn.GroupNorm`` for signals ``(V, batch, C, *spatial)``.
+    """Factors of ``nn.GroupNorm`` or InstanceNorm for signals ``(V, batch, C, *)``.
 
     Parameters
     ----------
@@ -162,14 +202,15 @@ def group_norm_factors(
         ``Dense`` weight block ``(V, batch, C)`` and ``Summed`` bias factor.
 
     """
-    module: nn.GroupNorm = call.module  # type: ignore[assignment]
+    module = call.module
     (g,) = grads[:1]
     assert g is not None
     x = call.inputs[0]
-    g4 = g.reshape(g.shape[0], g.shape[1], module.num_channels, -1)  # (V, B, C, L)
+    channels = x.shape[1]
+    g4 = g.reshape(g.shape[0], g.shape[1], channels, -1)  # (V, B, C, L)
     blocks: list[tuple[int, Factors]] = []
     if module.weight is not None and id(module.weight) in wanted:
-        x_hat = _kept_x_hat(call).reshape(x.shape[0], module.num_channels, -1)
+        x_hat = _kept_x_hat(call).reshape(x.shape[0], channels, -1)
         blocks.append(
             (id(module.weight), Dense(torch.einsum("vbcl,bcl->vbc", g4, x_hat)))
         )
@@ -181,41 +222,3 @@ def group_norm_factors(
 def _kept_x_hat(call: LayerCall) -> torch.Tensor:
     """``x̂`` kept by the recorded forward pass."""
     return call.kwargs["x_hat"]
-
-
-def rewritten_modules(
-    model: nn.Module, watched: Sequence[nn.Module]
-) -> list[nn.Module]:
-    """Normalisations of ``model`` outside ``watched`` (without wanted parameters).
-
-    Their output is redone with elementary operations while recording, so that
-    the Jacobians' higher derivatives through them are right.
-
-    Returns
-    -------
-    list of torch.nn.Module
-
-    """
-    seen = {id(m) for m in watched}
-    return [
-        m
-        for m in model.modules()
-        if isinstance(m, (nn.LayerNorm, nn.GroupNorm)) and id(m) not in seen
-    ]
-
-
-@contextmanager
-def elementary_normalisations(model: nn.Module) -> Iterator[None]:
-    """Inside the block, ``model``'s LayerNorm/GroupNorm run as elementary operations.
-
-    For ``torch.func`` transforms of the model (``DiffFuncGGN``): the fused kernels'
-    higher derivatives are wrong (module docstring). The forward hooks live
-    only inside the block.
-
-    Yields
-    ------
-    None
-
-    """
-    with recorded_calls([], NORM_FORWARDS, rewritten_modules(model, [])):
-        yield

@@ -137,17 +137,31 @@ def _layer_factors(
     return blocks
 
 
+def refuse_packed_sequence(module: nn.Module, inputs: tuple) -> None:
+    """Raise if a recurrent layer is called with a ``PackedSequence``.
+
+    Raises
+    ------
+    UnsupportedModuleError
+        Naming the layer and the fix; no backend of this package differentiates
+        packed sequences sample by sample.
+
+    """
+    if inputs and isinstance(inputs[0], nn.utils.rnn.PackedSequence):
+        raise UnsupportedModuleError(
+            f"{type(module).__name__} got a PackedSequence, whose samples no "
+            "backend of this package can tell apart; run the layer on the padded "
+            "batch and read each sequence's output at its length instead."
+        )
+
+
 def _inputs(
     m: nn.RNNBase, call: LayerCall
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """Batch-first input ``(B, T, in)`` and the initial state(s) ``(L·D, B, H)``."""
     x = call.inputs[0]
     hx = call.inputs[1] if len(call.inputs) > 1 else call.kwargs.get("hx")
-    if not isinstance(x, torch.Tensor):
-        raise UnsupportedModuleError(
-            f"{type(m).__name__} got a PackedSequence, which the BackPACK backends "
-            "do not support; pad the sequences or use laplace_diffjac.DiffFuncGGN."
-        )
+    refuse_packed_sequence(m, call.inputs)
     if x.dim() != 3:
         raise UnsupportedModuleError(
             f"{type(m).__name__} got an unbatched (2-D) input; the BackPACK backends "

@@ -1,0 +1,305 @@
+"""One small float64 model per parameterised ``torch.nn`` module, for the audit.
+
+Every case is ``layer -> tanh -> flatten -> Linear(·, OUTPUTS)``, so that the
+module's parameters have non-trivial second derivatives and the model has
+``OUTPUTS`` outputs, fewer than ``BATCH`` samples (``B != C``: a batching rule that
+mixes the sample and output dimensions crashes or gives wrong numbers there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+BATCH = 5
+OUTPUTS = 3
+
+
+class AuditNet(nn.Module):
+    """``head(tanh(run(layer, x)).flatten(1))``, counting its forward calls.
+
+    ``forward_calls`` is a list, so that the count can change without changing the
+    module's attributes as :func:`tests.references.model_state` sees them.
+    """
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        head_in: int,
+        run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.head = nn.Linear(head_in, OUTPUTS)
+        self.run = run
+        self.forward_calls = [0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forward_calls[0] += 1
+        h = self.layer(x) if self.run is None else self.run(self.layer, x)
+        return self.head(torch.tanh(h).flatten(1))
+
+
+class _Scale(nn.Module):
+    """A user module that holds a parameter of its own."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to build one audited model and its input batch ``(BATCH, ...)``."""
+
+    layer: Callable[[], nn.Module]
+    head_in: int
+    shape: tuple[int, ...]
+    run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    tokens: int = 0  # > 0: integer inputs in [0, tokens)
+    training: bool = False
+    #: refused only once the model runs (what decides it is seen only then)
+    refused_while_running: bool = False
+
+    def model(self) -> AuditNet:
+        torch.manual_seed(0)
+        net = AuditNet(self.layer(), self.head_in, self.run).double()
+        net.train(self.training)
+        _randomise_running_stats(net)
+        return net
+
+    def inputs(self) -> torch.Tensor:
+        torch.manual_seed(1)
+        if self.tokens:
+            return torch.randint(0, self.tokens, (BATCH, *self.shape))
+        return torch.randn(BATCH, *self.shape, dtype=torch.float64)
+
+
+def _randomise_running_stats(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            with torch.no_grad():
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+
+
+def _first(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = module(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _two_halves(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x[:, :2], x[:, 2:])
+
+
+def _self_attention(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x, x, x, need_weights=False)[0]
+
+
+def _with_memory(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x, x)
+
+
+def _attention_weights(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out, weights = module(x, x, x, need_weights=True)
+    return torch.cat([out.flatten(1), weights.flatten(1)], 1)
+
+
+def _packed(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    lengths = torch.full((x.shape[0],), x.shape[1])
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+    return module(packed)[1][-1]
+
+
+def _log_prob(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module.log_prob(x)
+
+
+def _after_linear(norm: nn.Module) -> Callable[[], nn.Module]:
+    return lambda: nn.Sequential(nn.Linear(4, 6), norm)
+
+
+def _layer(d: int = 4) -> dict:
+    return {"d_model": d, "nhead": 2, "dim_feedforward": 8, "dropout": 0.0}
+
+
+CASES: dict[str, Case] = {
+    "Linear": Case(lambda: nn.Linear(4, 6), 6, (4,)),
+    "Bilinear": Case(lambda: nn.Bilinear(2, 2, 6), 6, (4,), _two_halves),
+    "PReLU": Case(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU()), 6, (4,)),
+    "PReLU-channels": Case(
+        lambda: nn.Sequential(nn.Conv1d(2, 3, 3), nn.PReLU(3)), 12, (2, 6)
+    ),
+    "Conv1d": Case(lambda: nn.Conv1d(2, 3, 3, padding=1), 18, (2, 6)),
+    "Conv2d": Case(lambda: nn.Conv2d(2, 3, 3), 27, (2, 5, 5)),
+    "Conv2d-groups-reflect": Case(
+        lambda: nn.Conv2d(2, 4, 3, groups=2, padding=1, padding_mode="reflect"),
+        64,
+        (2, 4, 4),
+    ),
+    "Conv2d-replicate": Case(
+        lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="replicate"), 27, (2, 3, 3)
+    ),
+    "Conv1d-circular-same": Case(
+        lambda: nn.Conv1d(2, 3, 3, padding="same", padding_mode="circular"),
+        18,
+        (2, 6),
+    ),
+    "Conv3d": Case(lambda: nn.Conv3d(1, 2, 2), 16, (1, 3, 3, 3)),
+    "Conv3d-circular": Case(
+        lambda: nn.Conv3d(1, 1, 2, padding=1, padding_mode="circular"),
+        27,
+        (1, 2, 2, 2),
+    ),
+    "ConvTranspose1d": Case(lambda: nn.ConvTranspose1d(2, 2, 3), 12, (2, 4)),
+    "ConvTranspose2d": Case(
+        lambda: nn.ConvTranspose2d(1, 2, 2, stride=2), 72, (1, 3, 3)
+    ),
+    "ConvTranspose3d": Case(lambda: nn.ConvTranspose3d(1, 1, 2), 27, (1, 2, 2, 2)),
+    "BatchNorm1d": Case(_after_linear(nn.BatchNorm1d(6)), 6, (4,)),
+    "BatchNorm1d-train": Case(_after_linear(nn.BatchNorm1d(6)), 6, (4,), training=True),
+    "BatchNorm2d": Case(
+        lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), 8, (1, 4, 4)
+    ),
+    "BatchNorm3d": Case(lambda: nn.BatchNorm3d(1), 8, (1, 2, 2, 2)),
+    "SyncBatchNorm": Case(_after_linear(nn.SyncBatchNorm(6)), 6, (4,)),
+    "InstanceNorm1d": Case(lambda: nn.InstanceNorm1d(2, affine=True), 12, (2, 6)),
+    "InstanceNorm1d-running-stats": Case(
+        lambda: nn.InstanceNorm1d(2, affine=True, track_running_stats=True),
+        12,
+        (2, 6),
+    ),
+    "InstanceNorm1d-running-stats-train": Case(
+        lambda: nn.InstanceNorm1d(2, affine=True, track_running_stats=True),
+        12,
+        (2, 6),
+        training=True,
+    ),
+    "InstanceNorm2d": Case(lambda: nn.InstanceNorm2d(2, affine=True), 18, (2, 3, 3)),
+    "InstanceNorm3d": Case(lambda: nn.InstanceNorm3d(1, affine=True), 8, (1, 2, 2, 2)),
+    "LayerNorm": Case(_after_linear(nn.LayerNorm(6)), 6, (4,)),
+    "GroupNorm": Case(
+        lambda: nn.Sequential(nn.Conv1d(2, 4, 3), nn.GroupNorm(2, 4)), 16, (2, 6)
+    ),
+    "RMSNorm": Case(_after_linear(nn.RMSNorm(6)), 6, (4,)),
+    "Embedding": Case(lambda: nn.Embedding(7, 4), 8, (2,), tokens=7),
+    "Embedding-padding_idx": Case(
+        lambda: nn.Embedding(7, 4, padding_idx=0), 8, (2,), tokens=7
+    ),
+    "Embedding-max_norm": Case(
+        lambda: nn.Embedding(7, 4, max_norm=1.0), 8, (2,), tokens=7
+    ),
+    "Embedding-scale_grad_by_freq": Case(
+        lambda: nn.Embedding(7, 4, scale_grad_by_freq=True), 8, (2,), tokens=7
+    ),
+    "EmbeddingBag": Case(lambda: nn.EmbeddingBag(7, 4), 4, (3,), tokens=7),
+    "EmbeddingBag-max-padding_idx": Case(
+        lambda: nn.EmbeddingBag(7, 4, mode="max", padding_idx=0), 4, (3,), tokens=7
+    ),
+    "EmbeddingBag-sum-padding_idx": Case(
+        lambda: nn.EmbeddingBag(7, 4, mode="sum", padding_idx=0), 4, (3,), tokens=7
+    ),
+    "MultiheadAttention": Case(
+        lambda: nn.MultiheadAttention(4, 2, batch_first=True),
+        12,
+        (3, 4),
+        _self_attention,
+    ),
+    "MultiheadAttention-add_bias_kv": Case(
+        lambda: nn.MultiheadAttention(4, 2, add_bias_kv=True, batch_first=True),
+        12,
+        (3, 4),
+        _self_attention,
+    ),
+    "MultiheadAttention-add_zero_attn": Case(
+        lambda: nn.MultiheadAttention(4, 2, add_zero_attn=True, batch_first=True),
+        12,
+        (3, 4),
+        _self_attention,
+    ),
+    "MultiheadAttention-returned-weights": Case(
+        lambda: nn.MultiheadAttention(4, 2, batch_first=True),
+        21,
+        (3, 4),
+        _attention_weights,
+        refused_while_running=True,
+    ),
+    "MultiheadAttention-dropout-train": Case(
+        lambda: nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True),
+        12,
+        (3, 4),
+        _self_attention,
+        training=True,
+    ),
+    "TransformerEncoderLayer": Case(
+        lambda: nn.TransformerEncoderLayer(**_layer(), batch_first=True), 12, (3, 4)
+    ),
+    "TransformerEncoder": Case(
+        lambda: nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(**_layer(), batch_first=True),
+            2,
+            enable_nested_tensor=False,
+        ),
+        12,
+        (3, 4),
+    ),
+    "TransformerDecoderLayer": Case(
+        lambda: nn.TransformerDecoderLayer(**_layer(), batch_first=True),
+        12,
+        (3, 4),
+        _with_memory,
+    ),
+    "TransformerDecoder": Case(
+        lambda: nn.TransformerDecoder(
+            nn.TransformerDecoderLayer(**_layer(), batch_first=True), 1
+        ),
+        12,
+        (3, 4),
+        _with_memory,
+    ),
+    "Transformer": Case(
+        lambda: nn.Transformer(
+            **_layer(),
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            batch_first=True,
+        ),
+        12,
+        (3, 4),
+        _with_memory,
+    ),
+    "RNN": Case(lambda: nn.RNN(4, 3, batch_first=True), 9, (3, 4), _first),
+    "LSTM": Case(lambda: nn.LSTM(4, 3, batch_first=True), 9, (3, 4), _first),
+    "GRU": Case(lambda: nn.GRU(4, 3, batch_first=True), 9, (3, 4), _first),
+    "GRU-packed": Case(
+        lambda: nn.GRU(4, 3, batch_first=True),
+        3,
+        (3, 4),
+        _packed,
+        refused_while_running=True,
+    ),
+    "LSTM-dropout-train": Case(
+        lambda: nn.LSTM(4, 3, num_layers=2, dropout=0.5, batch_first=True),
+        9,
+        (3, 4),
+        _first,
+        training=True,
+    ),
+    "RNNCell": Case(lambda: nn.RNNCell(4, 6), 6, (4,)),
+    "LSTMCell": Case(lambda: nn.LSTMCell(4, 6), 6, (4,), _first),
+    "GRUCell": Case(lambda: nn.GRUCell(4, 6), 6, (4,)),
+    "AdaptiveLogSoftmaxWithLoss": Case(
+        lambda: nn.AdaptiveLogSoftmaxWithLoss(4, 5, cutoffs=[2]), 5, (4,), _log_prob
+    ),
+    "weight_norm-Linear": Case(lambda: weight_norm(nn.Linear(4, 6)), 6, (4,)),
+    "custom-parameter": Case(
+        lambda: nn.Sequential(nn.Linear(4, 6), _Scale(6)), 6, (4,)
+    ),
+}
