@@ -34,6 +34,7 @@ def accumulate(
     feature_shape: torch.Size,
     input_dtype: torch.dtype,
     progress_bar: bool,
+    offset: torch.Tensor | None = None,
 ) -> None:
     """Add this process's data to ``acc``, one batch of inputs/Jacobians at a time.
 
@@ -56,6 +57,8 @@ def accumulate(
         to the backend's model's dtype and device for the Jacobians.
     progress_bar : bool
         Show a tqdm progress bar.
+    offset : torch.Tensor, optional
+        ``(P,)`` ``θ* − μ₀`` for the dual mean's sums.
 
     """
     param = next(iter(backend.model.parameters()))
@@ -66,7 +69,7 @@ def accumulate(
             Js, f = model_jacobians(backend, xb, False)
         if yb is not None:
             check_targets(yb, f, likelihood, f"{data.name}'s targets")
-        acc.add(Js, f, yb, groups, likelihood)
+        acc.add(Js, f, yb, groups, likelihood, offset)
         del Js, f
 
 

@@ -39,20 +39,23 @@ class PredictiveFactor:
         The whitening of ``K_ZZ`` at the current prior.
     F : torch.Tensor
         ``(MC, MC)`` ``U diag(√(eₖ / (1 + eₖ)))`` from ``A = U diag(e) Uᵀ``.
+    H : torch.Tensor
+        ``(MC, MC)`` ``U diag(1 / √(1 + eₖ))``, so ``(I + A)⁻¹ = H Hᵀ``.
 
     """
 
     frame: Frame
     F: torch.Tensor
+    H: torch.Tensor
 
     def project(self, T: torch.Tensor) -> torch.Tensor:
         """``V`` ``(n, MC)`` for the whitened cross-covariances ``T`` ``(MC, n)``."""
         return self.frame.whiten(T).mT @ self.F
 
 
-def _factor_of(e: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+def _factor_of(frame: Frame, e: torch.Tensor, U: torch.Tensor) -> PredictiveFactor:
     e = e.clamp_min(0)
-    return U * torch.sqrt(e / (1 + e))
+    return PredictiveFactor(frame, U * torch.sqrt(e / (1 + e)), U / torch.sqrt(1 + e))
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class ScalarSpectrum:
         """The predictive factor at ``(s, h)`` (detached)."""
         s = s.detach().reshape(())
         e = s * h.detach() * self.omega
-        return PredictiveFactor(Frame(self.L0, s, None), _factor_of(e, self.U))
+        return _factor_of(Frame(self.L0, s, None), e, self.U)
 
 
 class FactorCache:
@@ -147,7 +150,7 @@ class FactorCache:
         if self._factor is None or self._factor_key != key:
             frame, A = whitened_matrix(acc, s, h, jitter)
             e, U = torch.linalg.eigh(A)
-            self._factor = PredictiveFactor(frame, _factor_of(e, U))
+            self._factor = _factor_of(frame, e, U)
             self._factor_key = key
         return self._factor
 

@@ -42,6 +42,7 @@ from ...errors import InvalidInputError
 from ...kernels import PriorPrecision, jacobians
 from . import _tuning
 from ._data_pass import accumulate, compute_copy, model_jacobians
+from ._dual_mean import dual_mean
 from ._evidence import evidence_terms, log_likelihood
 from ._factor_cache import FactorCache, PredictiveFactor
 from ._hyperparameters import (
@@ -105,6 +106,11 @@ class ContextPosterior:
         are copied in) when the backend is built here (a class), and predictions
         are returned in the model's dtype. ``None`` computes in the model's dtype
         (no copy; the copy costs the model's memory in float64).
+    predictive_mean : {'network', 'dual'}, default='network'
+        ``'network'``: the MAP network's output, laplace-torch's GLM mean.
+        ``'dual'``: the posterior mean of the linearised network's GP through the
+        locations (:mod:`._dual_mean`; needs targets at ``fit``), which equals the
+        network on the data of the fit when ``Z = X`` and moves with ``update``.
 
     Raises
     ------
@@ -133,6 +139,7 @@ class ContextPosterior:
         prior_mean: float | torch.Tensor = 0.0,
         prior_structure: str | None = None,
         compute_dtype: torch.dtype | None = torch.float64,
+        predictive_mean: str = "network",
     ) -> None:
         if likelihood not in ("regression", "classification"):
             raise ValueError(
@@ -156,6 +163,12 @@ class ContextPosterior:
         self.prior_mean = prior_mean
         infer_structure(prior_structure, self.prior_precision, self.n_layers)
         self._structure_request = prior_structure
+        if predictive_mean not in ("network", "dual"):
+            raise ValueError(
+                "predictive_mean must be 'network' (laplace-torch's GLM mean) or "
+                f"'dual' (the linearised GP's posterior mean); got {predictive_mean!r}."
+            )
+        self.predictive_mean = predictive_mean
         self.enable_backprop = enable_backprop
         self.jitter = jitter
         self.batch_size = batch_size
@@ -214,6 +227,7 @@ class ContextPosterior:
             shape,
             self._dtype,
             progress_bar,
+            self._offset(),
         )
         reduce_accumulators(acc)
         if acc.n_data == 0:
@@ -261,7 +275,15 @@ class ContextPosterior:
         data = TrainingData((x_new, y_new), self.batch_size, "x_new")
         new = acc.zeros_like()
         accumulate(
-            self.backend, self.likelihood, new, groups, data, shape, self._dtype, False
+            self.backend,
+            self.likelihood,
+            new,
+            groups,
+            data,
+            shape,
+            self._dtype,
+            False,
+            self._offset(),
         )
         reduce_accumulators(new)  # only the new sums: the old ones are reduced
         acc.merge(new)
@@ -606,6 +628,28 @@ class ContextPosterior:
         )
         self._factors.clear()
 
+    def _offset(self) -> torch.Tensor:
+        """``θ* − μ₀`` ``(P,)`` in float64 (the dual mean's linearisation)."""
+        mean = self.mean.to(torch.float64)
+        return mean - self.prior_mean.to(mean).expand_as(mean)
+
+    def _dual_mean(self, Js: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        acc, _ = self._fitted()
+        if not acc.has_targets or acc.offset is None:
+            raise ValueError(
+                "predictive_mean='dual' needs the training targets: fit (and "
+                "update) with (x, y) data."
+            )
+        offset = self._offset()
+        if not torch.equal(offset, acc.offset):
+            raise ValueError(
+                "The prior mean or the network's parameters changed since fit; the "
+                "dual mean is linearised there: call fit again."
+            )
+        s, _, h = self._scales()
+        T = self._whitened_cross(Js)
+        return dual_mean(acc, self._factor(), T, f, Js, offset, s, h)
+
     def _sync_compute_model(self) -> None:
         """Copy the model's current parameters and buffers into its float64 copy."""
         if self._compute_model is self.model:
@@ -683,6 +727,8 @@ class ContextPosterior:
         check_inputs(x, "x", self._dtype, self.locations.shape[1:])
         x = x.to(self._compute_dtype)
         Js, f = model_jacobians(self.backend, x, self.enable_backprop)
+        if self.predictive_mean == "dual":
+            f = self._dual_mean(Js, f)
         if joint:
             mean, var = f.flatten(), self.functional_covariance(Js)
         else:

@@ -38,7 +38,34 @@ from ...data import is_distributed, reduce_sum
 from ...kernels import output_hessians
 from ._hyperparameters import PriorGroups
 
-__all__ = ["Accumulators", "frame_factor", "reduce_accumulators"]
+__all__ = [
+    "Accumulators",
+    "frame_factor",
+    "likelihood_gradient",
+    "reduce_accumulators",
+]
+
+
+def likelihood_gradient(
+    f: torch.Tensor, y: torch.Tensor, likelihood: str
+) -> torch.Tensor:
+    """``g̃ = ∂ log p(y | f) / ∂f`` without ``1 / (σ² T)``, ``(b, C)`` float64.
+
+    Regression ``y − f``; classification ``onehot(y) − softmax(f)`` (or class
+    probabilities ``y − softmax(f)``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(b, C)``.
+    """
+    if likelihood == "regression":
+        return y.reshape(f.shape).to(f) - f
+    if y.shape == f.shape and y.is_floating_point():
+        target = y.to(f)
+    else:
+        target = F.one_hot(y.reshape(-1).long(), f.shape[1]).to(f)
+    return target - f.softmax(-1)
 
 
 def frame_factor(K0: torch.Tensor, jitter: float) -> torch.Tensor:
@@ -97,6 +124,10 @@ class Accumulators:
         The frame's relative jitter.
     W : torch.Tensor
         ``(G, G, MC, MC)`` whitened sums.
+    u : torch.Tensor
+        ``(G, MC)`` whitened first-order sums ``Σₙ Vₙ^g r̃ₙ`` of the dual mean,
+        ``r̃ₙ = Λ̃ₙ Jₙ (θ* − μ₀) + g̃ₙ`` with ``g̃ₙ`` the likelihood's gradient in
+        ``f`` without ``1 / (σ² T)`` (:mod:`._dual_mean`); zero without targets.
     ggn_diag : torch.Tensor
         ``(P,)``.
     loss : torch.Tensor
@@ -105,6 +136,8 @@ class Accumulators:
         Number of points accumulated.
     has_targets : bool
         Whether every batch had targets (the evidence needs them).
+    offset : torch.Tensor or None
+        ``(P,)`` the ``θ* − μ₀`` of ``u``, or ``None`` if ``u`` was not kept.
 
     """
 
@@ -115,12 +148,14 @@ class Accumulators:
     L0: torch.Tensor
     jitter: float
     W: torch.Tensor
+    u: torch.Tensor
     ggn_diag: torch.Tensor
     loss: torch.Tensor = field(
         default_factory=lambda: torch.zeros((), dtype=torch.float64)
     )
     n_data: int = 0
     has_targets: bool = True
+    offset: torch.Tensor | None = None
 
     @staticmethod
     def empty(J_z: torch.Tensor, groups: PriorGroups, jitter: float) -> Accumulators:
@@ -152,6 +187,7 @@ class Accumulators:
             L0=L0,
             jitter=float(jitter),
             W=zeros(n_groups, n_groups, M * C, M * C),
+            u=zeros(n_groups, M * C),
             ggn_diag=zeros(P),
             loss=zeros(()),
         )
@@ -171,6 +207,8 @@ class Accumulators:
             L0=self.L0,
             jitter=self.jitter,
             W=torch.zeros_like(self.W),
+            u=torch.zeros_like(self.u),
+            offset=self.offset,
             ggn_diag=torch.zeros_like(self.ggn_diag),
             loss=torch.zeros_like(self.loss),
         )
@@ -178,6 +216,7 @@ class Accumulators:
     def merge(self, other: Accumulators) -> None:
         """Add the data sums of ``other`` (same frame and groups), in place."""
         self.W = self.W + other.W
+        self.u = self.u + other.u
         self.ggn_diag = self.ggn_diag + other.ggn_diag
         self.loss = self.loss + other.loss.to(self.loss)
         self.n_data += other.n_data
@@ -211,8 +250,13 @@ class Accumulators:
         y: torch.Tensor | None,
         groups: PriorGroups,
         likelihood: str,
+        offset: torch.Tensor | None = None,
     ) -> None:
-        """Add one batch: Jacobians ``(b, C, P)``, outputs ``(b, C)``, targets."""
+        """Add one batch: Jacobians ``(b, C, P)``, outputs ``(b, C)``, targets.
+
+        ``offset`` ``(P,)`` is ``θ* − μ₀`` for the dual mean's sums ``u`` (not
+        kept without it or without targets).
+        """
         Js, f = Js.to(torch.float64), f.to(torch.float64)
         lam = output_hessians(f, likelihood)  # (b, C, C), without 1 / (σ² T)
         MC = self.L0.shape[0]
@@ -235,12 +279,18 @@ class Accumulators:
         else:
             y = y.to(f) if y.shape == f.shape else y.reshape(-1).long()
             self.loss += F.cross_entropy(f, y, reduction="sum")
+        if offset is not None:
+            self.offset = offset.detach().to(torch.float64)
+            grad = likelihood_gradient(f, y, likelihood)
+            r = torch.einsum("bce,be->bc", lam, Js @ offset.to(Js)) + grad
+            for k, V in enumerate(Vs):
+                self.u[k] += V @ r.reshape(-1)
 
     def symmetrised_W(self) -> torch.Tensor:
         """``W`` with each ``(g, h)`` block pair made exactly symmetric."""
         return 0.5 * (self.W + self.W.permute(1, 0, 3, 2))
 
-    def to_state(self) -> dict[str, torch.Tensor | int | bool | float | list]:
+    def to_state(self) -> dict[str, torch.Tensor | int | bool | float | list | None]:
         """Tensors and plain values only, for ``torch.load(weights_only=True)``."""
         return {
             "G": self.G,
@@ -250,10 +300,12 @@ class Accumulators:
             "L0": self.L0,
             "jitter": self.jitter,
             "W": self.W,
+            "u": self.u,
             "ggn_diag": self.ggn_diag,
             "loss": self.loss,
             "n_data": self.n_data,
             "has_targets": self.has_targets,
+            "offset": self.offset,
         }
 
     @staticmethod
@@ -293,6 +345,8 @@ class Accumulators:
                 L0=state["L0"],
                 jitter=float(state["jitter"]),
                 W=state["W"],
+                u=state["u"],
+                offset=state["offset"],
                 **common,
             )
         acc = Accumulators.empty(state["J_z"], groups, jitter)
@@ -306,7 +360,7 @@ class Accumulators:
 def reduce_accumulators(acc: Accumulators) -> None:
     """Sum ``acc``'s data sums over the ranks, in place (one ``all_reduce``).
 
-    ``W``, the GGN diagonal, the loss, ``N`` and the count of ranks without
+    ``W``, ``u``, the GGN diagonal, the loss, ``N`` and the count of ranks without
     targets are packed into one float64 buffer; the counts stay exact below
     ``2⁵³``. ``G``, ``K_diag`` and ``L0`` do not depend on the data and are the
     same on every rank.
@@ -323,15 +377,17 @@ def reduce_accumulators(acc: Accumulators) -> None:
     flat = torch.cat(
         [
             acc.W.reshape(-1),
+            acc.u.reshape(-1),
             acc.ggn_diag,
             acc.loss.reshape(1).to(acc.W),
             torch.tensor(counts, dtype=acc.W.dtype, device=acc.W.device),
         ]
     )
     flat = reduce_sum(flat)
-    n_b, n_d = acc.W.numel(), acc.ggn_diag.numel()
-    acc.W = flat[:n_b].reshape(acc.W.shape).clone()
-    acc.ggn_diag = flat[n_b : n_b + n_d].clone()
-    acc.loss = flat[n_b + n_d].clone()
+    n_w, n_u, n_d = acc.W.numel(), acc.u.numel(), acc.ggn_diag.numel()
+    acc.W = flat[:n_w].reshape(acc.W.shape).clone()
+    acc.u = flat[n_w : n_w + n_u].reshape(acc.u.shape).clone()
+    acc.ggn_diag = flat[n_w + n_u : n_w + n_u + n_d].clone()
+    acc.loss = flat[n_w + n_u + n_d].clone()
     acc.n_data = int(round(float(flat[-2])))
     acc.has_targets = float(flat[-1]) == 0.0

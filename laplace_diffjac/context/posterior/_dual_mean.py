@@ -1,0 +1,80 @@
+"""The dual mean: the linearised network's GP posterior mean through the locations.
+
+With the linearised network ``f_lin(x; θ) = f*(x) + J(x)(θ − θ*)`` and the prior
+``θ ~ N(μ₀, Σ₀)``, ``f_lin`` is a GP with mean ``m(x) = f*(x) + J(x)(μ₀ − θ*)``
+and kernel ``K = J Σ₀ Jᵀ``. The Laplace (second-order) approximation of each
+likelihood term at ``f*ₙ = f(xₙ; θ*)`` is a Gaussian site with precision
+``βₙ = h Λ̃ₙ`` (the GGN likelihood Hessian, ``h = 1 / (σ² T)``) and pseudo-target
+``ỹₙ = f*ₙ + βₙ⁻¹ gₙ``, ``gₙ = h g̃ₙ`` the likelihood's gradient in ``f``
+(SFR's dual parameters ``αₙ = gₙ``, ``βₙ``; Scannell et al., 2024). Through the
+locations (DTC) the posterior mean is::
+
+    μ(x) = m(x) + K_xZ (K_ZZ + K_ZX β K_XZ)⁻¹ Σₙ K_Zn βₙ (ỹₙ − m(xₙ))
+         = f*(x) − J(x) δ + K_xZ (K_ZZ + K_ZX β K_XZ)⁻¹ Σₙ K_Zn h (Λ̃ₙ Jₙ δ + g̃ₙ),
+
+``δ = θ* − μ₀``, with no inverse of ``βₙ`` (singular for a softmax). In the
+whitened frame (:mod:`._statistics`) the last term is ``Tₓᵀ (I + A)⁻¹ t`` with
+``Tₓ = R⁻¹ L₀⁻¹ K_Zx`` and ``t = R⁻¹ L₀⁻¹ Σₙ K_Zn h r̃ₙ = h R⁻¹ Σ_g s_g u^g``.
+
+**On the data of the fit it is the network.** With ``Z = X`` the DTC is exact,
+and the last term is ``J(x) Σ (Jᵀ β J δ + Jᵀ g)`` with ``Σ = (Σ₀⁻¹ + Jᵀ β J)⁻¹``;
+at a MAP of the same prior ``Jᵀ g = Σ₀⁻¹ δ`` (stationarity), so it is
+``J(x) δ`` and ``μ(x) = f*(x)``: laplace-torch's GLM mean. With ``M < N`` it is
+that up to the DTC's error; after ``update(x, y)`` it moves towards the new
+targets (one Gauss-Newton step of the linearised network, in function space),
+which the network's own output cannot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._factor_cache import PredictiveFactor
+from ._statistics import Accumulators
+
+__all__ = ["dual_mean"]
+
+
+def dual_mean(
+    acc: Accumulators,
+    factor: PredictiveFactor,
+    T: torch.Tensor,
+    f: torch.Tensor,
+    Js: torch.Tensor,
+    offset: torch.Tensor,
+    s: torch.Tensor,
+    h: torch.Tensor,
+) -> torch.Tensor:
+    """``μ(x)`` at test inputs (see the module docstring), ``(B*, C)`` float64.
+
+    Parameters
+    ----------
+    acc : Accumulators
+        The sums of ``fit`` (with ``u``).
+    factor : PredictiveFactor
+        The posterior's factor at ``(s, h)``.
+    T : torch.Tensor
+        ``L₀⁻¹ K_Z*`` ``(MC, B* C)``.
+    f : torch.Tensor
+        The network's outputs ``(B*, C)``.
+    Js : torch.Tensor
+        Jacobians at the test inputs ``(B*, C, P)``.
+    offset : torch.Tensor
+        ``(P,)`` ``θ* − μ₀``.
+    s : torch.Tensor
+        ``(G,)`` group prior variances.
+    h : torch.Tensor
+        ``()`` likelihood factor.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B*, C)``.
+
+    """
+    f64, J64 = f.to(torch.float64), Js.to(torch.float64)
+    u = torch.einsum("g,gi->i", s.to(torch.float64).detach(), acc.u)
+    t = factor.frame.whiten((h.detach() * u).unsqueeze(1))  # (MC, 1)
+    Tx = factor.frame.whiten(T)  # (MC, B* C)
+    correction = (Tx.mT @ factor.H) @ (factor.H.mT @ t)
+    return f64 - J64 @ offset.to(J64) + correction.reshape(f.shape)
