@@ -1,4 +1,4 @@
-"""The package's public surface and the shape of its tree (issue 12's guards)."""
+"""The package's public surface and the shape of its tree: layering and sizes."""
 
 from __future__ import annotations
 

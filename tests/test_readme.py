@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import copy
-import re
-from pathlib import Path
 
 import torch
 
+from tests.readme import README, readme_block
 from tests.references import reference_jacobians
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def _block(marker: str) -> str:
-    text = README.read_text()
-    match = re.search(
-        rf"<!-- {marker} -->\s*```(?:python)?\n(.*?)```\s*<!-- /{marker} -->",
-        text,
-        re.S,
-    )
-    assert match, f"README has no {marker} block"
-    return match.group(1)
+# tests/context/test_tuning.py imports the helper by this name from here; it moves
+# to tests.readme.readme_block with the restructure of tests/context.
+_block = readme_block
 
 
 def test_readme_example_runs_and_moves_only_x():
     namespace: dict = {}
     torch.manual_seed(0)
-    exec(compile(_block("readme-example"), "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(readme_block("readme-example"), "README.md", "exec"), namespace)  # noqa: S102
     x, model, backend = namespace["x"], namespace["model"], namespace["backend"]
     assert all(p.grad is None for p in model.parameters())
     assert not any(m._forward_hooks or m._backward_hooks for m in model.modules())
@@ -62,16 +52,23 @@ def test_readme_locations_example_runs():
         "train_loader": loader,
         "x_test": torch.linspace(-3, 3, 7).unsqueeze(1),
     }
-    exec(compile(_block("readme-locations"), "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(readme_block("readme-locations"), "README.md", "exec"), namespace)  # noqa: S102
     assert namespace["Z"].shape == (16, 1)
     assert namespace["K"].shape == (7, 16, 1, 1)
     assert namespace["var"].shape[0] == 7 and torch.all(namespace["var"] > 0)
 
 
 def test_readme_commands_are_the_ones_ci_runs():
-    main = _block("main-command").strip()
-    test = _block("test-command").strip()
+    main = readme_block("main-command").strip()
+    test = readme_block("test-command").strip()
     assert main.endswith("python -m laplace_diffjac")
     assert 'pip install -e ".[test]"' in test and test.endswith("python -m pytest")
     ci = (README.parent / ".ci" / "run").read_text()
     assert "test-command" in ci
+    # the README command runs first in its fresh environment: no pip install before it
+    lines = [line.strip() for line in ci.splitlines()]
+    code = [line for line in lines if not line.startswith("#")]
+    readme_run = code.index('bash -c "$test_command" || readme_rc=$?')
+    installs = [i for i, line in enumerate(code) if "pip install" in line]
+    assert installs and min(installs) > readme_run
+    assert code.index("rm -rf .venv") < readme_run
