@@ -73,9 +73,13 @@ def test_quick_cli_prints_its_table_and_writes_its_plot(tmp_path, task):
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [png.name]
 
 
-def test_cli_output_overrides_the_folder(tmp_path):
-    path = tmp_path / "deep" / "plot.png"
-    assert main(["--quick", "--no-progress", "--output", str(path)]) == 0
+def test_cli_out_dir_and_output_name_where_the_plot_goes(tmp_path):
+    folder = tmp_path / "new" / "folder"
+    assert main(["--quick", "--no-progress", "--out-dir", str(folder)]) == 0
+    path = tmp_path / "deep" / "plot.png"  # --output wins over --out-dir
+    argv = ["--quick", "--no-progress", "--out-dir", str(folder), "--output", str(path)]
+    assert main(argv) == 0
+    assert [p.name for p in folder.iterdir()] == ["regression.png"]
     assert path.stat().st_size > 1000
 
 
