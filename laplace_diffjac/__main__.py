@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -27,7 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--output", default=None, help="PNG path (default laplace_diffjac_<task>.png)"
+        "--out-dir",
+        default="demo_output",
+        help="folder for the plot, created if missing (default demo_output)",
+    )
+    parser.add_argument(
+        "--output", default=None, help="PNG path (default OUT_DIR/<task>.png)"
     )
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes")
     parser.add_argument(
@@ -66,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = result.settings
     print(f"task={s.task}  N={s.n}  M={s.m}  seed={args.seed}")
     print(format_table(result))
-    path = plot(result, args.output or f"laplace_diffjac_{args.task}.png")
+    path = Path(args.output or Path(args.out_dir) / f"{args.task}.png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot(result, str(path))
     print(f"plot written to {path}")
     print(f"total {time.perf_counter() - start:.1f} s")
     return 0

@@ -85,7 +85,7 @@ def backend_cls(request: pytest.FixtureRequest) -> type:
     return request.param
 
 
-# Models with attention, normalisation and recurrent layers (issue 13); their
+# Models with attention, normalisation and recurrent layers; their
 # inputs may be dict-like, and the recurrent ones need the looped reference.
 
 

@@ -61,3 +61,10 @@ def test_readme_commands_are_the_ones_ci_runs():
     assert 'pip install -e ".[test]"' in test and test.endswith("python -m pytest")
     ci = (README.parent / ".ci" / "run").read_text()
     assert "test-command" in ci
+    # the README command runs first in its fresh environment: no pip install before it
+    lines = [line.strip() for line in ci.splitlines()]
+    code = [line for line in lines if not line.startswith("#")]
+    readme_run = code.index('bash -c "$test_command" || readme_rc=$?')
+    installs = [i for i, line in enumerate(code) if "pip install" in line]
+    assert installs and min(installs) > readme_run
+    assert code.index("rm -rf .venv") < readme_run

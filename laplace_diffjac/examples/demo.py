@@ -344,9 +344,12 @@ def format_table(result: DemoResult) -> str:
                 f"{int(hp['evidence_locations'])} optimised locations: "
                 f"{hp['evidence']:.2f}; its test NLL {hp['evidence_nll']:.3f})"
             )
+        noise = ""
+        if result.settings.task == "regression":  # no noise in a classification
+            noise = f"; sigma_noise {hp['sigma_noise']:.4g}"
         lines.append(
             f"prior precision {hp['prior_precision']:.4g} {how}, used by every "
-            f"row; sigma_noise {hp['sigma_noise']:.4g}"
+            f"row{noise}"
         )
     lines.append(
         f"Nyström gap objective: random {result.objective['random']:.4g} -> "

@@ -33,6 +33,33 @@ def plot(result: DemoResult, path: str) -> str:
         If matplotlib is not installed (the message says how to install it).
 
     """
+    fig = _figure(result)  # checks for matplotlib first
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _figure(result: DemoResult) -> Any:
+    """The figure of :func:`plot`, open (the caller closes it).
+
+    Parameters
+    ----------
+    result : DemoResult
+        A finished run.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        Its panels, every axis labelled.
+
+    Raises
+    ------
+    ImportError
+        If matplotlib is not installed (the message says how to install it).
+
+    """
     try:
         import matplotlib
     except ImportError as error:  # pragma: no cover - depends on the install
@@ -50,9 +77,7 @@ def plot(result: DemoResult, path: str) -> str:
         fig, axes = plt.subplots(2, 3, figsize=(14, 8))
         _classification_panels(fig, axes, result)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _regression_panels(axes: Any, result: DemoResult) -> None:
@@ -72,6 +97,8 @@ def _regression_panels(axes: Any, result: DemoResult) -> None:
             label=f"{name} locations",
         )
     axes[0].set_title("data and context locations")
+    axes[0].set_xlabel("x")
+    axes[0].set_ylabel("y")
     axes[0].legend(fontsize=8)
     g = grid[:, 0]
     axes[1].plot(g, curves["full"].log()[:, 0], "k", lw=2, label="full GGN Laplace")
@@ -83,6 +110,8 @@ def _regression_panels(axes: Any, result: DemoResult) -> None:
     ):
         axes[1].plot(g, curves[key].log()[:, 0], style, label=key)
     axes[1].set_title("log latent predictive variance")
+    axes[1].set_xlabel("x")
+    axes[1].set_ylabel("log variance")
     axes[1].legend(fontsize=7)
 
 
@@ -94,9 +123,10 @@ def _classification_panels(fig: Any, axes: Any, result: DemoResult) -> None:
     full_log = curves["full"].log()
     ax = axes[0, 0]
     c = ax.contourf(g0, g1, full_log.mean(-1).reshape(n, n), levels=20)
-    fig.colorbar(c, ax=ax)
+    fig.colorbar(c, ax=ax, label="mean log variance")
     ax.scatter(x[:, 0], x[:, 1], c=y, s=3, cmap="coolwarm", alpha=0.5)
     ax.set_title("full GGN Laplace: mean log latent var")
+    _input_labels(ax)
     panels = [
         (axes[0, 1], "FunctionalLaplace", "random"),
         (axes[0, 2], "FunctionalLaplace", "optimised"),
@@ -112,14 +142,21 @@ def _classification_panels(fig: Any, axes: Any, result: DemoResult) -> None:
     for ax, method, loc in panels:
         err = errors[(method, loc)]
         c = ax.contourf(g0, g1, err.reshape(n, n), levels=levels, cmap="magma")
-        fig.colorbar(c, ax=ax)
+        fig.colorbar(c, ax=ax, label="|Δ log variance|")
         ax.scatter(x[:, 0], x[:, 1], c="0.7", s=2, alpha=0.5)
         ax.scatter(locs[loc][:, 0], locs[loc][:, 1], marker="x", c="c", s=40)
         ax.set_title(
             f"{method}, {loc}: |Δ log var| (mean {err.mean():.3f})", fontsize=9
         )
+        _input_labels(ax)
     ax = axes[1, 0]
     if result.history is not None:
         ax.semilogy(result.history.objective)
-    ax.set_xlabel("step")
+    ax.set_xlabel("optimiser step")
+    ax.set_ylabel("objective")
     ax.set_title("Nyström gap (minibatch estimate)")
+
+
+def _input_labels(ax: Any) -> None:
+    ax.set_xlabel("$x_1$")
+    ax.set_ylabel("$x_2$")

@@ -1,4 +1,4 @@
-"""Closed-form Conv1d rule: Jacobians, their gradients and gradcheck (issue 13)."""
+"""Closed-form Conv1d rule: Jacobians, their gradients and gradcheck."""
 
 from __future__ import annotations
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from laplace.curvature import BackPackEF, BackPackGGN, CurvlinopsEF, CurvlinopsGGN
 
 from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from tests.backends.methods import kron_friendly_mlp
+from tests.laplace_integration.helpers import upstream_quiet
 
 LIKELIHOODS = ["classification", "regression"]
 
@@ -28,17 +27,21 @@ def _upstream(cls, likelihood, **kwargs):
     """laplace-torch's own backend on a fresh copy of the model (it leaves hooks)."""
     model = kron_friendly_mlp()
     model.output_size = 3
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with upstream_quiet():
         return cls(model, likelihood, **kwargs)
 
 
 def _call(backend, method, x, y):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # upstream BackPACK warns; ours are checked
-        if method == "kron":
-            return backend.kron(x, y, N=10)
-        return getattr(backend, method)(x, y)
+    """``backend.method(x, y)``; a warning of ours fails (the suite's filter)."""
+    if method == "kron":
+        return backend.kron(x, y, N=10)
+    return getattr(backend, method)(x, y)
+
+
+def _call_upstream(backend, method, x, y):
+    """:func:`_call` on laplace-torch's backend, its BackPACK warnings muted."""
+    with upstream_quiet():
+        return _call(backend, method, x, y)
 
 
 def _assert_equal(ours, ref, rtol=1e-10):
@@ -85,8 +88,9 @@ def test_interleaved_calls_are_fresh_and_equal_upstream(
     # curvlinops' GGN agrees with the float64 torch.func GGN only to ~1e-7; BackPACK's
     # to round-off (the exact check against torch.func is the test below).
     rtol = 1e-6 if ref_cls in (CurvlinopsGGN, CurvlinopsEF) else 1e-10
-    _assert_equal(first, _call(_upstream(ref_cls, likelihood), method, x1, y1), rtol)
-    _assert_equal(second, _call(_upstream(ref_cls, likelihood), method, x2, y2), rtol)
+    for got, x, y in ((first, x1, y1), (second, x2, y2)):
+        ref = _call_upstream(_upstream(ref_cls, likelihood), method, x, y)
+        _assert_equal(got, ref, rtol)
 
 
 @pytest.mark.parametrize("stochastic", [True])
@@ -100,7 +104,7 @@ def test_stochastic_ggn_matches_upstream_with_same_seed(stochastic):
         torch.manual_seed(7)
         ours = _call(ours_backend, method, x, y)
         torch.manual_seed(7)
-        _assert_equal(ours, _call(ref_backend, method, x, y))
+        _assert_equal(ours, _call_upstream(ref_backend, method, x, y))
 
 
 @pytest.mark.parametrize("backend_cls", [DiffBackPackGGN, DiffFuncGGN])
@@ -126,12 +130,11 @@ def test_upstream_returns_stale_diag_after_jacobians():
     backend = _upstream(BackPackGGN, "classification")
     x1, y1 = _data(1, "classification")
     x2, y2 = _data(2, "classification")
-    first = _call(backend, "diag", x1, y1)[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    first = _call_upstream(backend, "diag", x1, y1)[1]
+    with upstream_quiet():
         backend.jacobians(x1, enable_backprop=True)
     try:
-        stale = _call(backend, "diag", x2, y2)[1]
+        stale = _call_upstream(backend, "diag", x2, y2)[1]
     except AttributeError:  # some versions fail instead of returning stale values
         return
     assert torch.equal(stale, first)

@@ -1,4 +1,4 @@
-"""The backend contract on attention, normalisation and recurrent models (issue 13).
+"""The backend contract on attention, normalisation and recurrent models.
 
 The cases live in ``tests/conftest.py`` (``SEQUENCE_CASES``); each is checked for
 Jacobians and gradients of a function of them against float64 ``torch.func``

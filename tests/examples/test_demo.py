@@ -1,59 +1,104 @@
-"""The command-line demo and the Done-when criterion of issue 4."""
+"""The command-line demo, and optimised against random locations on its problems."""
 
 from __future__ import annotations
 
-import os
+import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from laplace_diffjac.__main__ import main
 from laplace_diffjac.examples import run_demo
+from tests.processes import python_env
+
+ROW_METHODS = {
+    "regression": ["Full GGN Laplace", "FunctionalLaplace", "ContextPosterior"],
+    "classification": [
+        "Full GGN Laplace",
+        "FunctionalLaplace",
+        "ContextPosterior",
+        "FunctionalLaplace (diag Λ)",
+    ],
+}
+
+
+def _table_rows(stdout: str) -> dict[tuple[str, str], list[float]]:
+    """``{(method, locations): [log-var error, test NLL, time]}`` of the table."""
+    rows = {}
+    for line in stdout.splitlines():
+        match = re.fullmatch(
+            r"(\S.*?)\s+((?:all|random|optimised) \d+)\s+(\S+)\s+(\S+)\s+(\S+)",
+            line,
+        )
+        if match:
+            rows[(match[1], match[2])] = [float(v) for v in match.groups()[2:]]
+    return rows
 
 
 @pytest.mark.parametrize("task", ["regression", "classification"])
-def test_quick_cli_writes_png(tmp_path, task):
-    out = tmp_path / "demo.png"
+def test_quick_cli_prints_its_table_and_writes_its_plot(tmp_path, task):
+    """``python -m laplace_diffjac --quick`` as a user runs it, in an empty folder."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "laplace_diffjac",
-            "--task",
-            task,
-            "--quick",
-            "--no-progress",
-            "--output",
-            str(out),
-        ],
+        [sys.executable, "-m", "laplace_diffjac", "--quick", "--task", task],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        cwd=tmp_path,
+        env=python_env(),  # this checkout's package from any folder; strict warnings
     )
     assert proc.returncode == 0, proc.stderr
-    assert "ContextPosterior" in proc.stdout and "FunctionalLaplace" in proc.stdout
-    assert str(out) in proc.stdout
-    assert out.stat().st_size > 1000
+    out = proc.stdout
+    n, m = (int(v) for v in re.search(r"N=(\d+)  M=(\d+)", out).groups())
+    assert m <= 0.05 * n
+    rows = _table_rows(out)
+    want = {("Full GGN Laplace", f"all {n}")} | {
+        (method, f"{how} {m}")
+        for method in ROW_METHODS[task][1:]
+        for how in ("random", "optimised")
+    }
+    assert set(rows) == want
+    assert rows[("Full GGN Laplace", f"all {n}")][0] == 0.0
+    for error, nll, seconds in rows.values():
+        assert error >= 0 and math.isfinite(nll) and seconds >= 0
+    gap = re.search(r"objective: random (\S+) -> optimised (\S+)", out)
+    assert float(gap[2]) < float(gap[1])
+    assert ("sigma_noise" in out) == (task == "regression")
+    # the default output folder, relative to the working directory
+    png = tmp_path / "demo_output" / f"{task}.png"
+    assert f"plot written to {Path('demo_output') / f'{task}.png'}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [png.name]
 
 
-def test_main_parses_arguments(tmp_path, capsys):
-    with pytest.raises(SystemExit):
+def test_cli_out_dir_and_output_name_where_the_plot_goes(tmp_path):
+    folder = tmp_path / "new" / "folder"
+    assert main(["--quick", "--no-progress", "--out-dir", str(folder)]) == 0
+    path = tmp_path / "deep" / "plot.png"  # --output wins over --out-dir
+    argv = ["--quick", "--no-progress", "--out-dir", str(folder), "--output", str(path)]
+    assert main(argv) == 0
+    assert [p.name for p in folder.iterdir()] == ["regression.png"]
+    assert path.stat().st_size > 1000
+
+
+def test_main_rejects_an_unknown_task(capsys):
+    with pytest.raises(SystemExit) as error:
         main(["--task", "nonsense"])
+    assert error.value.code == 2
+    assert "invalid choice: 'nonsense'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore")
-def test_done_when_regression():
+def test_optimised_locations_beat_random_on_regression():
     """M <= 5 % of N, 3 seeds: optimised beats random on objective, errors, NLL."""
     results = [run_demo("regression", seed=s, progress_bar=False) for s in range(3)]
     _check(results)
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore")
-def test_done_when_classification():
+def test_optimised_locations_beat_random_on_two_moons():
     """Two moons with overlap and label noise; same criterion as for regression.
 
     ``FunctionalLaplace`` here is ``LocationFunctionalLaplace`` with the GGN's full

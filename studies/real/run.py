@@ -1,4 +1,4 @@
-"""Command line of the real-data study: ``python -m benchmarks.real`` (or this file).
+"""Command line of the real-data study: ``python -m studies.real`` (or this file).
 
 ``--quick`` runs tiny sizes (two small data sets, one seed, few steps) in well
 under a minute; the defaults are the full study (see ``README.md``).
@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make ``benchmarks.real`` importable
+if __package__ in (None, ""):  # run as a script: make ``studies.real`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    __package__ = "benchmarks.real"
+    __package__ = "studies.real"
 
 from .data import DATASETS  # noqa: E402
 from .evaluate import StudyConfig  # noqa: E402
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     datasets, seeds, study, train = configs(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.real " + " ".join(
+    command = "python -m studies.real " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     run_file = args.out / "run.json"

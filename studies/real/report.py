@@ -263,7 +263,7 @@ def write_report(
     Parameters
     ----------
     records : list of dict
-        Per-task ``{"meta", "rows"}`` from :func:`~benchmarks.real.runner.run_study`.
+        Per-task ``{"meta", "rows"}`` from :func:`~studies.real.runner.run_study`.
     out : Path
         Output folder.
     command : str
@@ -294,7 +294,7 @@ def write_report(
         "",
         f"Command: `{command}`",
         "",
-        "Mean ± standard deviation over seeds. See `benchmarks/real/README.md` "
+        "Mean ± standard deviation over seeds. See `studies/real/README.md` "
         "for the protocol.",
         "",
         *_run_text(run, records),

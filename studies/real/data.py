@@ -11,8 +11,15 @@ from typing import Callable
 
 import numpy as np
 import torch
-from sklearn import datasets
-from sklearn.model_selection import train_test_split
+
+try:
+    from sklearn import datasets
+    from sklearn.model_selection import train_test_split
+except ImportError as error:  # the study's extra is not installed
+    raise ImportError(
+        "The real-data study needs scikit-learn (its data sets): "
+        'pip install -e ".[study]" from the repository root.'
+    ) from error
 
 __all__ = ["DATASETS", "DataSpec", "Split", "load_split"]
 

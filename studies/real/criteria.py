@@ -121,7 +121,7 @@ def check_criteria(aggs: list[dict[str, Any]]) -> dict[str, Any]:
     Parameters
     ----------
     aggs : list of dict
-        :func:`~benchmarks.real.report.aggregate` output.
+        :func:`~studies.real.report.aggregate` output.
 
     Returns
     -------
@@ -224,7 +224,7 @@ def _verdict_bullets(verdicts: dict[str, Any]) -> list[str]:
 def criteria_markdown(result: dict[str, Any]) -> list[str]:
     """Markdown lines for :func:`check_criteria`'s result."""
     lines = [
-        "## Criteria (checked automatically, `benchmarks/real/criteria.py`)",
+        "## Criteria (checked automatically, `studies/real/criteria.py`)",
         "",
         *_verdict_bullets(result),
         "* Of the NLPD failures, those where the optimised row's own δ (mean over "

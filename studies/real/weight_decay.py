@@ -1,6 +1,6 @@
 """Is the full Laplace under-confident only because the MAP's prior is not its own?
 
-``python -m benchmarks.real.weight_decay digits 17 1e-4,1.3e-3,5e-3`` trains the
+``python -m studies.real.weight_decay digits 17 1e-4,1.3e-3,5e-3`` trains the
 study's MLP with each weight decay ``wd`` (Adam's coupled L2 on the mean loss, a
 prior of precision ``wd · N_train`` on the sum loss), fits the full-data GGN
 Laplace, and prints, per ``wd``: the prior precision the network was trained with,

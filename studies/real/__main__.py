@@ -1,0 +1,5 @@
+"""``python -m studies.real``: see :mod:`studies.real.run`."""
+
+from .run import main
+
+main()

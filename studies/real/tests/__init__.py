@@ -1,0 +1,1 @@
+"""The study's tests: ``python -m pytest studies`` (needs the ``study`` extra)."""
