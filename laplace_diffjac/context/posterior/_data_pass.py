@@ -13,7 +13,7 @@ from ...data import TrainingData, check_targets
 from ._hyperparameters import PriorGroups
 from ._statistics import Accumulators
 
-__all__ = ["accumulate", "compute_copy", "model_jacobians"]
+__all__ = ["accumulate", "compute_copy", "model_jacobians", "sync_copy"]
 
 
 def model_jacobians(
@@ -96,3 +96,14 @@ def compute_copy(
     ):
         return model
     return copy.deepcopy(model).to(compute_dtype)
+
+
+def sync_copy(copy_: nn.Module, model: nn.Module) -> None:
+    """Copy ``model``'s parameters and buffers into its copy (no-op if the same)."""
+    if copy_ is model:
+        return
+    with torch.no_grad():
+        for mine, theirs in zip(
+            copy_.state_dict().values(), model.state_dict().values()
+        ):
+            mine.copy_(theirs)

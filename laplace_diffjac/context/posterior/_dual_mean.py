@@ -71,7 +71,23 @@ def dual_mean(
     torch.Tensor
         ``(B*, C)``.
 
+    Raises
+    ------
+    ValueError
+        If ``fit`` (or an ``update``) had no targets, or the network's parameters
+        or the prior mean changed since ``fit`` (the linearisation point).
+
     """
+    if not acc.has_targets or acc.offset is None:
+        raise ValueError(
+            "predictive_mean='dual' needs the training targets: fit (and update) "
+            "with (x, y) data."
+        )
+    if not torch.equal(offset, acc.offset):
+        raise ValueError(
+            "The prior mean or the network's parameters changed since fit; the dual "
+            "mean is linearised there: call fit again."
+        )
     f64, J64 = f.to(torch.float64), Js.to(torch.float64)
     u = torch.einsum("g,gi->i", s.to(torch.float64).detach(), acc.u)
     t = factor.frame.whiten((h.detach() * u).unsqueeze(1))  # (MC, 1)

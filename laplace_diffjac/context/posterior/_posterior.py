@@ -41,7 +41,7 @@ from ...data import (
 from ...errors import InvalidInputError
 from ...kernels import PriorPrecision, jacobians
 from . import _tuning
-from ._data_pass import accumulate, compute_copy, model_jacobians
+from ._data_pass import accumulate, compute_copy, model_jacobians, sync_copy
 from ._dual_mean import dual_mean
 from ._evidence import evidence_terms, log_likelihood
 from ._factor_cache import FactorCache, PredictiveFactor
@@ -213,7 +213,7 @@ class ContextPosterior:
         prec = self.prior_precision.detach()
         structure = infer_structure(self._structure_request, prec, self.n_layers)
         groups = PriorGroups.build(structure, prec, self._layer_sizes)
-        self._sync_compute_model()
+        sync_copy(self._compute_model, self.model)
         Z = self.locations.to(device=self._device, dtype=self._compute_dtype)
         J_z = jacobians(self.backend, Z, enable_backprop=False).to(torch.float64)
         acc = Accumulators.empty(J_z.detach(), groups, self.jitter)
@@ -504,40 +504,21 @@ class ContextPosterior:
         """
         if pred_type not in ("glm", "gp"):
             raise ValueError(f"pred_type must be 'glm' or 'gp', got {pred_type!r}.")
+        if method == "marglik" and val_loader is not None:
+            warnings.warn(
+                "`val_loader` will be ignored when `method` == 'marglik'. "
+                "Do you mean to set `method = 'gridsearch'`?",
+                stacklevel=2,
+            )
         if method == "marglik":
-            if val_loader is not None:
-                warnings.warn(
-                    "`val_loader` will be ignored when `method` == 'marglik'. "
-                    "Do you mean to set `method = 'gridsearch'`?",
-                    stacklevel=2,
-                )
-            _tuning.marglik(
-                self,
-                init_prior_prec,
-                str(prior_structure),
-                n_steps,
-                lr,
-                learn_sigma_noise,
-                progress_bar,
-            )
+            _tuning.marglik(self, init_prior_prec, str(prior_structure), n_steps, lr,
+                            learn_sigma_noise, progress_bar)  # fmt: skip
         elif method == "gridsearch":
-            grid = torch.logspace(
-                log_prior_prec_min,
-                log_prior_prec_max,
-                grid_size,
-                base=log_prior_prec_base,
-                dtype=torch.float64,
-            )
-            _tuning.gridsearch(
-                self,
-                val_loader,
-                loss,
-                grid,
-                pred_type,
-                link_approx,
-                n_samples,
-                progress_bar,
-            )
+            base, size = log_prior_prec_base, grid_size
+            lo, hi = log_prior_prec_min, log_prior_prec_max
+            grid = torch.logspace(lo, hi, size, base=base, dtype=torch.float64)
+            _tuning.gridsearch(self, val_loader, loss, grid, pred_type, link_approx,
+                               n_samples, progress_bar)  # fmt: skip
         else:
             raise ValueError(
                 f"method must be 'marglik' or 'gridsearch', got {method!r}."
@@ -635,30 +616,9 @@ class ContextPosterior:
 
     def _dual_mean(self, Js: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         acc, _ = self._fitted()
-        if not acc.has_targets or acc.offset is None:
-            raise ValueError(
-                "predictive_mean='dual' needs the training targets: fit (and "
-                "update) with (x, y) data."
-            )
-        offset = self._offset()
-        if not torch.equal(offset, acc.offset):
-            raise ValueError(
-                "The prior mean or the network's parameters changed since fit; the "
-                "dual mean is linearised there: call fit again."
-            )
         s, _, h = self._scales()
         T = self._whitened_cross(Js)
-        return dual_mean(acc, self._factor(), T, f, Js, offset, s, h)
-
-    def _sync_compute_model(self) -> None:
-        """Copy the model's current parameters and buffers into its float64 copy."""
-        if self._compute_model is self.model:
-            return
-        with torch.no_grad():
-            pairs = zip(self._compute_model.state_dict().values(),
-                        self.model.state_dict().values())  # fmt: skip
-            for mine, theirs in pairs:
-                mine.copy_(theirs)
+        return dual_mean(acc, self._factor(), T, f, Js, self._offset(), s, h)
 
     def _factor(self) -> PredictiveFactor:
         acc, _ = self._fitted()
