@@ -153,7 +153,12 @@ class ContextPosterior:
         self.likelihood = likelihood
         self.locations = locations.detach()
         self._compute_model = compute_copy(model, backend, compute_dtype)
-        self.backend = as_backend(self._compute_model, likelihood, backend)
+        self.backend = as_backend(model, likelihood, backend)
+        self._compute_backend = (
+            self.backend
+            if self._compute_model is model
+            else as_backend(self._compute_model, likelihood, backend)
+        )
         self._dtype, self._device = param.dtype, param.device
         self._compute_dtype = next(iter(self._compute_model.parameters())).dtype
         self._layer_sizes = layer_sizes(self.backend)
@@ -215,11 +220,13 @@ class ContextPosterior:
         groups = PriorGroups.build(structure, prec, self._layer_sizes)
         sync_copy(self._compute_model, self.model)
         Z = self.locations.to(device=self._device, dtype=self._compute_dtype)
-        J_z = jacobians(self.backend, Z, enable_backprop=False).to(torch.float64)
+        J_z = jacobians(self._compute_backend, Z, enable_backprop=False).to(
+            torch.float64
+        )
         acc = Accumulators.empty(J_z.detach(), groups, self.jitter)
         shape = self.locations.shape[1:]
         accumulate(
-            self.backend,
+            self._compute_backend,
             self.likelihood,
             acc,
             groups,
@@ -275,7 +282,7 @@ class ContextPosterior:
         data = TrainingData((x_new, y_new), self.batch_size, "x_new")
         new = acc.zeros_like()
         accumulate(
-            self.backend,
+            self._compute_backend,
             self.likelihood,
             new,
             groups,
@@ -686,7 +693,7 @@ class ContextPosterior:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         check_inputs(x, "x", self._dtype, self.locations.shape[1:])
         x = x.to(self._compute_dtype)
-        Js, f = model_jacobians(self.backend, x, self.enable_backprop)
+        Js, f = model_jacobians(self._compute_backend, x, self.enable_backprop)
         if self.predictive_mean == "dual":
             f = self._dual_mean(Js, f)
         if joint:

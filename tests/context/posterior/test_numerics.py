@@ -168,3 +168,13 @@ def test_a_float32_model_agrees_with_its_float64_copy(likelihood):
         assert _rel(a.double(), b) < 1e-4
     e32, e64 = cp32.log_marginal_likelihood(), cp64.log_marginal_likelihood()
     assert abs(float(e32 - e64)) < 1e-4 * abs(float(e64))
+    # the public backend is still the model's own: its Jacobians go in as they are
+    Js, _ = cp32.backend.jacobians(grid.float())
+    assert Js.dtype == torch.float32
+    var = cp32.functional_variance(Js)
+    assert var.dtype == torch.float32
+    ref = cp64.functional_variance(cp64.backend.jacobians(grid)[0])
+    assert (
+        _rel(var.diagonal(dim1=-2, dim2=-1).double(), ref.diagonal(dim1=-2, dim2=-1))
+        < 1e-3
+    )
