@@ -7,10 +7,16 @@ needed there. On CPU in float64 these calls go to SciPy's LAPACK and BLAS
 makes around ``potrf`` (into column-major order, then zeroing the upper triangle)
 and, on the AMD EPYC machine of ``benchmarks/OPTIMIZER.md``, ran ``potrf`` and
 ``trsm`` at ``n = 1260`` with 640 right-hand sides 1.8× and 1.1–1.5× faster than
-PyTorch's MKL (single thread). Elsewhere (CUDA, other dtypes) ``torch.linalg``
-does the work. SciPy's BLAS has a thread pool of its own; each call here limits it
-to ``torch.get_num_threads()`` (through ``threadpoolctl``), so
-``torch.set_num_threads`` governs these calls as it governs PyTorch's.
+PyTorch's MKL (single thread). That route is taken only when PyTorch runs on one
+thread (``torch.set_num_threads(1)`` or ``OMP_NUM_THREADS=1``), with SciPy's BLAS
+held to one thread too (through ``threadpoolctl``): with more threads a second
+pool, OpenBLAS's, would compete with PyTorch's OpenMP pool for the same cores.
+Measured with ``benchmarks/optimizer_defaults.py threads`` (100 steps, quiet
+2-core machine): PyTorch's two threads plus OpenBLAS's two made a small problem
+(M = 16) 8× slower in wall time than one thread (1.9 s against 0.23 s), 14× with
+two busy processes beside it; with ``torch.linalg`` on PyTorch's own threads the
+same run takes 0.30 s, and 20 steps on digits at M = 126 6.3 s against 8.7 s.
+Elsewhere (CUDA, other dtypes, several threads) ``torch.linalg`` does the work.
 
 A factor is a square tensor whose *lower triangle* holds ``L``; its strict upper
 triangle is unspecified (SciPy leaves the input there) and never read.
@@ -35,12 +41,18 @@ def _controller() -> ThreadpoolController:
 
 
 def _torch_threads() -> AbstractContextManager:
-    """Context limiting SciPy's BLAS threads to PyTorch's intra-op threads."""
-    return _controller().limit(limits=torch.get_num_threads(), user_api="blas")
+    """Context holding SciPy's BLAS to one thread (the route runs single-threaded)."""
+    return _controller().limit(limits=1, user_api="blas")
 
 
 def _lapack_applies(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.float64 and not t.requires_grad
+    """CPU float64 without a graph, with PyTorch on one thread (one pool only)."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype == torch.float64
+        and not t.requires_grad
+        and torch.get_num_threads() == 1
+    )
 
 
 def cholesky_in_place(K: torch.Tensor) -> tuple[torch.Tensor, int]:

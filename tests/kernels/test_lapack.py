@@ -18,9 +18,18 @@ def _spd(n: int, dtype: torch.dtype) -> torch.Tensor:
     return (X @ X.T / n + 0.1 * torch.eye(n, dtype=torch.float64)).to(dtype)
 
 
+@pytest.fixture(params=[1, 2], ids=["one-thread", "two-threads"])
+def threads(request):
+    """PyTorch's intra-op threads for the test (1: SciPy's route, 2: torch's)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("n", [1, 7, 130])
-def test_factor_and_solves_match_torch_linalg(n, dtype):
+def test_factor_and_solves_match_torch_linalg(n, dtype, threads):
     K = _spd(n, dtype)
     B = torch.randn(n, 5, generator=torch.Generator().manual_seed(0), dtype=dtype)
     L_ref = torch.linalg.cholesky(K)
@@ -50,14 +59,24 @@ def test_not_positive_definite_reports_the_minor(dtype):
     assert info == 4  # 1-based order of the first non-positive leading minor
 
 
-def test_scipy_blas_threads_follow_torch():
+def test_scipy_blas_runs_on_one_thread():
     from laplace_diffjac.kernels._lapack import _controller, _torch_threads
 
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        with _torch_threads():
-            blas = [i for i in _controller().info() if i["user_api"] == "blas"]
-            assert blas and {i["num_threads"] for i in blas} == {1}
-    finally:
-        torch.set_num_threads(before)
+    with _torch_threads():
+        blas = [i for i in _controller().info() if i["user_api"] == "blas"]
+        assert blas and {i["num_threads"] for i in blas} == {1}
+
+
+def test_scipy_only_when_torch_runs_on_one_thread(threads, monkeypatch):
+    """One thread pool at a time: with several threads only torch.linalg runs."""
+    import laplace_diffjac.kernels._lapack as route
+
+    calls = []
+    real = route.lapack.dpotrf
+    monkeypatch.setattr(
+        route.lapack, "dpotrf", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    K = _spd(8, torch.float64)
+    L, info = cholesky_in_place(K.clone())
+    assert info == 0
+    assert len(calls) == (1 if threads == 1 else 0)

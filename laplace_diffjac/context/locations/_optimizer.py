@@ -11,6 +11,8 @@ of the minibatch and the parts are all-reduced (:mod:`._sharding`).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ from ...data import (
     rank,
     shard_offsets,
 )
+from ...jacobians._model_guard import preserved_state
 from ...kernels import PriorPrecision
 from ._evidence_steps import check_objective, optimise_evidence
 from ._gap import batch_gap
@@ -43,7 +46,10 @@ from ._sharding import default_lr, sync_gradient
 from ._streaming import StreamSource, feature_shape, scan, streamed_initial_locations
 from ._training_cache import TrainingCache, training_hessians
 
-__all__ = ["optimize_locations"]
+__all__ = ["SMALL_STEP", "optimize_locations", "step_threads"]
+
+#: ``M·C`` up to which a step runs on one thread by default.
+SMALL_STEP = 256
 
 
 def optimize_locations(
@@ -108,7 +114,7 @@ def optimize_locations(
         ``batch_size=256``, ``patience=50``, ``rel_tol=1e-4``, ``jitter=1e-6``,
         ``seed=0``, ``progress_bar=True``, ``chunk_size=256``,
         ``cache_jacobians=None``, ``evaluate_full=False``, ``structured=None``,
-        ``stream=None``, ``max_inputs=10000``.
+        ``stream=None``, ``max_inputs=10000``, ``threads=None``.
 
     Returns
     -------
@@ -171,13 +177,50 @@ def optimize_locations(
         source, Z0, lr = _streamed(model, loader, m, init, route, hessian_args, s)
     else:
         source, Z0, lr = _in_memory(model, data, m, init, route, hessian_args, s)
-    if objective == "evidence":
-        hyper = (prior_precision, sigma_noise, temperature)
-        return optimise_evidence(
-            jacobian_backend, data, likelihood, Z0.to(device), lr, hyper,
-            learn_hyperparameters, s,
-        )  # fmt: skip
-    return _optimise(route, source, Z0.to(device), lr, s)
+    with step_threads(s.threads, Z0.to(device), model):
+        if objective == "evidence":
+            hyper = (prior_precision, sigma_noise, temperature)
+            return optimise_evidence(
+                jacobian_backend, data, likelihood, Z0.to(device), lr, hyper,
+                learn_hyperparameters, s,
+            )  # fmt: skip
+        return _optimise(route, source, Z0.to(device), lr, s)
+
+
+@contextmanager
+def step_threads(
+    threads: int | None, Z: torch.Tensor, model: nn.Module
+) -> Iterator[None]:
+    """PyTorch's threads for the steps (see ``LocationSettings.threads``).
+
+    Parameters
+    ----------
+    threads : int, optional
+        The setting; ``None`` decides by ``M·C`` (one forward on one location).
+    Z : torch.Tensor
+        The initial locations ``(M, ...)``.
+    model : torch.nn.Module
+        The network.
+
+    Yields
+    ------
+    None
+        With the threads set; the previous number is restored on exit.
+
+    """
+    if threads is None:
+        with preserved_state(model), torch.no_grad():
+            n_outputs = int(model(Z[:1]).shape[-1])
+        threads = 1 if Z.shape[0] * n_outputs <= SMALL_STEP else None
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _streamed_loader(data: Data, s: LocationSettings) -> DataLoader | None:

@@ -62,6 +62,12 @@ class LocationSettings:
     max_inputs : int, default=10000
         Most inputs held at once for the initialisation: the k-means
         subsample (in memory and streaming) and the streaming reservoir.
+    threads : int, optional
+        PyTorch threads for the optimisation steps (restored afterwards).
+        ``None``: one thread when ``M·C <= 256``, where a step is too small to
+        gain from more and PyTorch's thread pool lost 5× in wall time to two busy
+        processes beside it (``benchmarks/optimizer_defaults.py threads``), else
+        PyTorch's own setting.
 
     Raises
     ------
@@ -84,6 +90,7 @@ class LocationSettings:
     structured: bool | None = None
     stream: bool | None = None
     max_inputs: int = 10_000
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         """Check every option; raise naming the first one out of range."""
@@ -91,6 +98,8 @@ class LocationSettings:
         _need(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
         _need(self.chunk_size >= 1, "chunk_size", "an integer >= 1", self.chunk_size)
         _need(self.max_inputs >= 1, "max_inputs", "an integer >= 1", self.max_inputs)
+        ok_threads = self.threads is None or self.threads >= 1
+        _need(ok_threads, "threads", "an integer >= 1 or None", self.threads)
         _need(self.patience >= 0, "patience", ">= 0 (0 disables it)", self.patience)
         ok_lr = self.lr is None or (math.isfinite(self.lr) and self.lr > 0)
         _need(ok_lr, "lr", "a finite learning rate > 0 or None", self.lr)

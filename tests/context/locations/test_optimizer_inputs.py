@@ -245,3 +245,33 @@ def test_the_same_seed_with_a_shuffled_loader_gives_the_same_locations():
     c = optimize_locations(model, "regression", x, 4, **kw)
     torch.testing.assert_close(a.locations, b.locations, rtol=0, atol=0)
     torch.testing.assert_close(a.locations, c.locations, rtol=0, atol=0)
+
+
+class _ThreadRecorder(torch.nn.Sequential):
+    """The MLP case, recording PyTorch's threads at every forward pass."""
+
+    seen: list = []
+
+    def forward(self, x):  # noqa: D102
+        type(self).seen.append(torch.get_num_threads())
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_small_steps_run_on_one_thread_and_the_setting_is_restored(threads):
+    torch.manual_seed(0)
+    model = _ThreadRecorder(*MLP.make_model(3)).double().eval()
+    x = MLP.inputs(20, seed=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _ThreadRecorder.seen = []
+        optimize_locations(
+            model, "regression", x, 3, steps=3, progress_bar=False, threads=threads,
+            structured=False,
+        )  # fmt: skip
+        during = _ThreadRecorder.seen[-1]  # the last step's forward pass
+        assert during == (1 if threads is None else 2)  # M C = 9 <= 256
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
