@@ -96,7 +96,9 @@ def _reduce_sums(loss: torch.Tensor, H: Any) -> tuple[torch.Tensor, Any]:
 def _output_of_probe(la: Any, probe: Any) -> torch.Tensor:
     with torch.no_grad():
         if isinstance(probe, MutableMapping):
-            return la.model(type(probe)({k: v.to(la._device) for k, v in probe.items()}))
+            return la.model(
+                type(probe)({k: v.to(la._device) for k, v in probe.items()})
+            )
         return la.model(probe[0].to(la._device))
 
 

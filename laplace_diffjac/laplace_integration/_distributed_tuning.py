@@ -43,7 +43,9 @@ BackendClassTest = Callable[[Any], bool]
 
 def _validation_loss(la: Any, val_loader: Any, loss: Any, options: dict) -> float:
     try:
-        return float(validate(la, val_loader, loss, dict_key_y=la.dict_key_y, **options))
+        return float(
+            validate(la, val_loader, loss, dict_key_y=la.dict_key_y, **options)
+        )
     except np.linalg.LinAlgError:
         return float("inf")
     except RuntimeError as err:

@@ -132,7 +132,12 @@ def _local_view(loader: DataLoader) -> tuple[str | None, int, Any, tuple]:
         return str(error), 0, None, ()
     first = next(iter(loader), None) if size > 0 else None
     if size > 0 and first is None:
-        return "the loader yields no batch although its shard is not empty.", 0, None, ()
+        return (
+            "the loader yields no batch although its shard is not empty.",
+            0,
+            None,
+            (),
+        )
     return None, size, first, () if first is None else _fingerprint(first)
 
 
