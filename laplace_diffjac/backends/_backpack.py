@@ -36,7 +36,6 @@ from ._chunking import (
     DEFAULT_JACOBIAN_BUDGET,
     ChunkedCurvature,
     check_budget,
-    concatenate_chunks,
 )
 
 
@@ -78,6 +77,9 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
     def _name(self) -> str:
         return type(self).__name__
 
+    def _check_input(self, x: Any) -> None:
+        check_mapping_or_tensor_batch(x, self.model, self._name)
+
     def _select(self, J: torch.Tensor) -> torch.Tensor:
         if self.subnetwork_indices is None:
             return J
@@ -107,7 +109,7 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
 
         """
         check_mapping_or_tensor_batch(x, self.model, self._name)
-        Js, f = concatenate_chunks(
+        Js, f = self._chunked_jacobians(
             lambda part: parameter_jacobians(
                 self.model,
                 part,
@@ -116,7 +118,7 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
                 enable_backprop=enable_backprop,
             ),
             x,
-            self._chunk(x, None, self._n_params(last_layer=False)),
+            last_layer=False,
         )
         return self._select(Js), f
 
@@ -141,10 +143,10 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
 
         """
         check_mapping_or_tensor_batch(x, self.model, self._name)
-        return concatenate_chunks(
+        return self._chunked_jacobians(
             lambda part: last_layer_jacobians(self.model, part, enable_backprop),
             x,
-            self._chunk(x, None, self._n_params(last_layer=True)),
+            last_layer=True,
         )
 
     def selected_output_jacobians(

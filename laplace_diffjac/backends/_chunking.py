@@ -110,7 +110,7 @@ def concatenate_chunks(
         ``(Js, f)`` as ``compute(x)`` would return them.
 
     """
-    if step >= x.shape[0]:
+    if not isinstance(x, torch.Tensor) or step >= x.shape[0]:
         return compute(x)
     parts = [compute(x[s]) for s in batch_slices(x.shape[0], step)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -130,19 +130,27 @@ class ChunkedCurvature:
     jacobian_budget: int
     _jacobian_rows: int | None = None
 
-    def _chunk(self, x: Any, width: int | None, n_params: int) -> int:
-        """Samples per chunk of ``x`` (all of them for dict-like batches)."""
-        if not isinstance(x, torch.Tensor) or n_params == 0:
-            return 1 << 62
-        if width is None:  # outputs: set by laplace-torch's fit, else one forward
-            width = getattr(self.model, "output_size", None)
-            if not isinstance(width, int):
-                with torch.no_grad():
-                    width = int(self.model(x[:1]).shape[-1])
+    def _check_input(self, x: Any) -> None:
+        """Refuse a bad batch before any computation (the backend's own check)."""
+
+    def _outputs(self) -> int | None:
+        """Outputs per sample, ``None`` if unknown.
+
+        Returns
+        -------
+        int or None
+            laplace-torch's ``model.output_size``, else the number seen in this
+            backend's last Jacobians.
+
+        """
+        width = getattr(self.model, "output_size", None)
+        if isinstance(width, int):
+            return width
+        return getattr(self, "_outputs_seen", None)
+
+    def _step(self, batch: int, width: int, n_params: int) -> int:
         itemsize = self.params[0].element_size() if self.params else 8
-        return samples_per_chunk(
-            x.shape[0], width, n_params, itemsize, self.jacobian_budget
-        )
+        return samples_per_chunk(batch, width, n_params, itemsize, self.jacobian_budget)
 
     def _n_params(self, last_layer: bool) -> int:
         """Columns of the Jacobians (0 if the last layer is not known yet)."""
@@ -150,6 +158,37 @@ class ChunkedCurvature:
             return sum(p.numel() for p in self.params)
         layer = getattr(self.model, "last_layer", None)
         return 0 if layer is None else sum(p.numel() for p in layer.parameters())
+
+    def _chunked_jacobians(
+        self,
+        compute: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
+        x: Any,
+        last_layer: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``compute(x) -> (Js, f)`` in chunks of at most ``jacobian_budget`` bytes.
+
+        With the outputs unknown (a backend used outside laplace-torch's fit),
+        the first sample's Jacobians are computed alone and give them.
+
+        Returns
+        -------
+        tuple of torch.Tensor
+            ``(Js, f)`` as ``compute(x)`` would return them.
+
+        """
+        n_params = self._n_params(last_layer)
+        if not isinstance(x, torch.Tensor) or n_params == 0:
+            return compute(x)
+        width = self._outputs()
+        if width is not None:
+            return concatenate_chunks(compute, x, self._step(len(x), width, n_params))
+        first = compute(x[:1])
+        self._outputs_seen = int(first[0].shape[1])
+        step = self._step(len(x), self._outputs_seen, n_params)
+        if len(x) == 1:
+            return first
+        rest = concatenate_chunks(compute, x[1:], step)
+        return torch.cat([first[0], rest[0]]), torch.cat([first[1], rest[1]])
 
     def full(
         self, x: torch.Tensor, y: torch.Tensor, **kwargs: Any
@@ -176,12 +215,20 @@ class ChunkedCurvature:
             ``(parameters, parameters)``.
 
         """
-        step = self._chunk(x, self._jacobian_rows, self._n_params(self.last_layer))
-        if step >= len(y):
+        n_params = self._n_params(self.last_layer)
+        if not isinstance(x, torch.Tensor) or n_params == 0:
             return super().full(x, y, **kwargs)  # type: ignore[misc]
-        loss: Any = 0.0
-        H: Any = 0.0
-        for part in batch_slices(len(y), step):
-            loss_part, H_part = super().full(x[part], y[part], **kwargs)  # type: ignore[misc]
-            loss, H = loss + loss_part, H + H_part
-        return loss, H
+        self._check_input(x)
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        width = self._jacobian_rows or self._outputs()
+        if width is None:  # learn the outputs from the first sample alone
+            parts.append(super().full(x[:1], y[:1], **kwargs))  # type: ignore[misc]
+            width = self._outputs()
+        start = len(parts)
+        step = self._step(len(y), width or 1, n_params)
+        for part in batch_slices(len(y) - start, step):
+            part = slice(part.start + start, part.stop + start)
+            parts.append(super().full(x[part], y[part], **kwargs))  # type: ignore[misc]
+        if len(parts) == 1:
+            return parts[0]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)  # type: ignore[return-value]

@@ -96,10 +96,13 @@ def _reduce_sums(loss: torch.Tensor, H: Any) -> tuple[torch.Tensor, Any]:
 def _output_of_probe(la: Any, probe: Any) -> torch.Tensor:
     with torch.no_grad():
         if isinstance(probe, MutableMapping):
-            return la.model(
-                type(probe)({k: v.to(la._device) for k, v in probe.items()})
-            )
+            mapping: Any = type(probe)
+            return la.model(mapping({k: _to(v, la._device) for k, v in probe.items()}))
         return la.model(probe[0].to(la._device))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _batch(la: Any, data: Any) -> tuple[Any, torch.Tensor]:
@@ -109,12 +112,14 @@ def _batch(la: Any, data: Any) -> tuple[Any, torch.Tensor]:
     return X.to(la._device), y.to(la._device)
 
 
-def _local_sums(la: Any, loader: ShardedLoader, out_ndim: int, progress: bool):
+def _local_sums(
+    la: Any, loader: ShardedLoader, out_ndim: int, progress: bool
+) -> tuple[torch.Tensor, Any, int]:
     """Loss, curvature and number of points of this rank's shard."""
     la._init_H()
     H, loss, count = la.H, torch.zeros((), dtype=la._dtype, device=la._device), 0
     N = len(loader.dataset)
-    batches = loader.local if loader.n_local > 0 else []
+    batches: Any = loader.local if loader.n_local > 0 else []
     for data in tqdm.tqdm(batches, disable=not progress, desc="[Computing Hessian]"):
         X, y = _batch(la, data)
         if la.likelihood == "regression" and y.ndim != out_ndim:
@@ -165,6 +170,7 @@ def distributed_pass(
     la.model.eval()
     mean = parameters_to_vector(la.params)
     out = _output_of_probe(la, loader.probe)
+    la.model.output_size = out.shape[-1]  # as laplace-torch, before the pass
     try:
         loss, H, count = _local_sums(la, loader, out.ndim, progress_bar)
         _check_counts(loader, count)
@@ -179,7 +185,6 @@ def distributed_pass(
         la.n_data = 0
     la.mean = mean if la.enable_backprop else mean.detach()
     la.n_outputs = out.shape[-1]
-    setattr(la.model, "output_size", la.n_outputs)
     la.H, la.loss = H, loss
     la.n_data += len(loader.dataset)
 

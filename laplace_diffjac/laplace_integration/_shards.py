@@ -32,6 +32,10 @@ def shard_size(loader: DataLoader) -> int:
     ``len(sampler)`` for a ``DistributedSampler`` (refused if it pads or was
     built for another world size), else laplace-torch's ``len(loader.dataset)``.
 
+    Returns
+    -------
+    int
+
     Raises
     ------
     InvalidInputError
@@ -70,7 +74,8 @@ def _first_sample(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch[:1].cpu()
     if isinstance(batch, Mapping):
-        return type(batch)({k: _first_sample(v) for k, v in batch.items()})
+        mapping: Any = type(batch)
+        return mapping({k: _first_sample(v) for k, v in batch.items()})
     if isinstance(batch, (tuple, list)):
         return type(batch)(_first_sample(v) for v in batch)
     return batch
@@ -88,7 +93,7 @@ def _fingerprint(batch: Any) -> tuple[float | int, ...]:
 
 
 class ShardedLoader:
-    """This rank's loader, seen by laplace-torch as one shard of a larger data set.
+    """The calling rank's loader, seen by laplace-torch as one shard of the data.
 
     Attributes
     ----------
@@ -113,12 +118,19 @@ class ShardedLoader:
 
     @property
     def n_local(self) -> int:
-        """This rank's shard size."""
+        """Number of points in the calling rank's shard."""
         return self.sizes[rank()]
 
     def __iter__(self) -> Iterator[Any]:
-        """The local batches; on an empty shard, the probe only (for laplace-torch's
-        ``next(iter(loader))``; the data pass never iterates this)."""
+        """The local batches; on an empty shard, the probe only.
+
+        Only laplace-torch's ``next(iter(loader))`` sees the probe; the data pass
+        iterates :attr:`local`.
+
+        Returns
+        -------
+        iterator
+        """
         return iter(self.local) if self.n_local > 0 else iter([self.probe])
 
     def __len__(self) -> int:

@@ -75,8 +75,10 @@ def _estimator(likelihood: str, flavour: tuple) -> Laplace:
 
 def _summary(la: Laplace) -> dict:
     precision = la.posterior_precision
+    if hasattr(precision, "to_matrix"):  # KronDecomposed
+        precision = precision.to_matrix()
     result = {
-        "precision": precision.to_matrix() if hasattr(precision, "to_matrix") else precision,
+        "precision": precision,
         "lml": la.log_marginal_likelihood().detach(),
         "predictive": la._glm_predictive_distribution(query_inputs()),
         "n_data": la.n_data,
@@ -116,7 +118,9 @@ def _assert_equal(actual: object, expected: object, what: str) -> None:
         for a, e in zip(actual, expected):  # type: ignore[call-overload]
             _assert_equal(a, e, what)
     elif isinstance(expected, torch.Tensor):
-        torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(
+            actual, expected, **TOL, msg=lambda m: f"{what}: {m}"
+        )
     else:
         assert actual == expected, what
 
@@ -188,23 +192,31 @@ def _sampler_and_online(rank: int, world: int) -> dict:
 
 
 def test_distributed_sampler_and_online_fits_equal_one_process(reference):
-    halves = [DataLoader(_dataset("regression", 60, s), batch_size=BATCH) for s in (3, 4)]
+    halves = [
+        DataLoader(_dataset("regression", 60, s), batch_size=BATCH) for s in (3, 4)
+    ]
     online = _online_fit(*halves)
     regression = {k: v for k, v in reference.items() if k[0] == "regression"}
     for rank, results in enumerate(run_on_ranks(_sampler_and_online, 2)):
         _assert_ranks_equal_reference([results["sampler"]], regression)
         for key, expected in online.items():
             for name, value in expected.items():
-                _assert_equal(results["online"][key][name], value, f"{rank} {key} {name}")
+                _assert_equal(
+                    results["online"][key][name], value, f"{rank} {key} {name}"
+                )
 
 
 VAL_SHARDS = [17, 13]
 GRID = dict(method="gridsearch", pred_type="glm", link_approx="probit", grid_size=9)
 
 
-def _gaussian_nll(mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean Gaussian NLL (up to a constant) of the GLM predictive; it depends on the
-    prior precision through the variance, unlike the MSE of the mean."""
+def _gaussian_nll(
+    mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """Mean Gaussian NLL (up to a constant) of the GLM predictive.
+
+    It depends on the prior precision through the variance, unlike the MSE.
+    """
     var = torch.diagonal(var, dim1=-2, dim2=-1) if var.ndim == 3 else var
     return 0.5 * (var.log() + (y - mean) ** 2 / var).sum(-1).mean()
 
