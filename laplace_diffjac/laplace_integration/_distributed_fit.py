@@ -18,8 +18,10 @@ the predictive need no change.
 Kronecker factors are sums over batches of per-batch factors, so a one-process
 reference equals the distributed fit up to rounding, whatever its batches.
 
-Estimators whose fit cannot be summed over shards this way (the GP/functional
-ones, ``LowRankLaplace``) refuse to fit under a group with our backends.
+``FunctionalLaplace``/``FunctionalLLLaplace`` fit on their GP subset gathered from
+the shards (:mod:`._distributed_functional`). Estimators whose fit is not summed
+over shards (``ELLA``, ``VaLLA``, ``LowRankLaplace``) refuse to fit under a group
+with our backends.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from typing import Any
 import torch
 import tqdm
 from laplace import baselaplace, lllaplace, subnetlaplace
-from laplace.baselaplace import BaseLaplace, ParametricLaplace
+from laplace.baselaplace import BaseLaplace, FunctionalLaplace, ParametricLaplace
 from laplace.utils import Kron
 from torch.nn.utils import parameters_to_vector
 
 from ..errors import InvalidInputError
+from ._distributed_functional import functional_entry
 from ._patching import AttributePatch
 from ._process_group import all_reduce_sum, is_multi_process, rank
 from ._shards import ShardedLoader, shard
@@ -47,15 +50,15 @@ BackendTest = Callable[[Any], bool]
 
 _REFUSAL = (
     "{cls}.fit with this package's backends under a torch.distributed process "
-    "group is not supported: {why} Fit in one process, or use a parametric "
-    "flavour (subset_of_weights 'all'/'last_layer'/'subnetwork' x 'full'/'diag'/"
-    "'kron'), which sums its curvature over the ranks."
+    "group is not supported: {why} Fit in one process, or use a flavour that "
+    "fits the union of the shards: subset_of_weights 'all'/'last_layer'/"
+    "'subnetwork' x 'full'/'diag'/'kron', or hessian_structure='gp'."
 )
 
 _WHY_LOW_RANK = "its eigendecomposition needs the whole data set's curvature."
 _WHY_FUNCTIONAL = (
-    "its GP subset / Nystrom basis / inducing points are drawn from the whole data "
-    "set, and the shards would each draw their own."
+    "its Nystrom basis / inducing points and their optimisation take passes over "
+    "the whole data set that are not summed over the shards."
 )
 
 
@@ -129,7 +132,11 @@ def _local_sums(
             )
         la.model.zero_grad()
         loss_batch, H_batch = la._curv_closure(X, y, N=N)
-        loss, H, count = loss + loss_batch, H + H_batch, count + len(y)
+        if isinstance(H, torch.Tensor):
+            H.add_(H_batch)  # in place, as laplace-torch: one (P, P) buffer
+        else:
+            H = H + H_batch
+        loss, count = loss + loss_batch, count + len(y)
     return loss, H, count
 
 
@@ -246,8 +253,9 @@ def distributed_fit_patches(uses_ours: BackendTest) -> list[AttributePatch]:
     -------
     list of AttributePatch
         ``ParametricLaplace.fit`` does the sharded data pass; the other
-        parametric classes' ``fit`` hand it a sharded loader; ``LowRankLaplace``
-        and the functional estimators refuse under a group.
+        parametric classes' ``fit`` hand it a sharded loader; the GP estimators
+        fit on the gathered subset; ``LowRankLaplace``, ``ELLA`` and ``VaLLA``
+        refuse under a group.
 
     """
     patches = []
@@ -259,6 +267,8 @@ def distributed_fit_patches(uses_ours: BackendTest) -> list[AttributePatch]:
             cls, baselaplace.LowRankLaplace
         ):
             wrapped = _entry(original, uses_ours)
+        elif issubclass(cls, FunctionalLaplace):
+            wrapped = functional_entry(original, uses_ours)
         else:
             wrapped = _refusing(original, uses_ours, cls)
         patches.append(AttributePatch(cls, "fit", wrapped))

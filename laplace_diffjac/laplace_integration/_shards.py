@@ -61,11 +61,11 @@ def shard_size(loader: DataLoader) -> int:
         return len(sampler)
     try:
         return len(loader.dataset)  # type: ignore[arg-type]
-    except TypeError:
+    except (TypeError, AttributeError):
         raise InvalidInputError(
-            "the training loader's data set has no len() (an IterableDataset), so "
-            "this rank's number of points is unknown; wrap the shard in a map-style "
-            "data set."
+            "the training loader has no data set with a len() (an IterableDataset, "
+            "or not a DataLoader), so this rank's number of points is unknown; pass "
+            "a DataLoader over a map-style data set."
         ) from None
 
 

@@ -16,17 +16,31 @@ import pytest
 import torch
 from laplace import Laplace
 from laplace.utils import Kron, LargestMagnitudeSubnetMask
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
+from tests.conftest import ON_LAPLACE_03
 from tests.distributed import run_on_ranks
 
 from .helpers import base_model, n_outputs_for, query_inputs
-
-N, BATCH = 120, 10
-SHARDS = {2: [70, 50], 4: [40, 0, 50, 30]}
-TOL = dict(rtol=1e-10, atol=1e-10)
+from .shards import (
+    BATCH,
+    SHARDS,
+    N,
+)
+from .shards import (
+    assert_equal as _assert_equal,
+)
+from .shards import (
+    assert_ranks_equal_reference as _assert_ranks_equal_reference,
+)
+from .shards import (
+    dataset as _dataset,
+)
+from .shards import (
+    shard as _shard,
+)
 
 pytestmark = [
     # laplace-torch warns on every classification prior optimisation.
@@ -44,22 +58,6 @@ FLAVOURS = [
     for hs in ("full", "diag", "kron")
     if not (hs == "kron" and (sow == "subnetwork" or backend is DiffBackPackEF))
 ]
-
-
-def _dataset(likelihood: str, n: int = N, seed: int = 3) -> TensorDataset:
-    gen = torch.Generator().manual_seed(seed)
-    X = torch.randn(n, 3, generator=gen, dtype=torch.float64)
-    c = n_outputs_for(likelihood)
-    if likelihood == "regression":
-        y = torch.randn(n, c, generator=gen, dtype=torch.float64)
-    else:
-        y = torch.randint(0, c, (n,), generator=gen)
-    return TensorDataset(X, y)
-
-
-def _shard(dataset: TensorDataset, sizes: list[int], rank: int) -> Subset:
-    start = sum(sizes[:rank])
-    return Subset(dataset, range(start, start + sizes[rank]))
 
 
 def _estimator(likelihood: str, flavour: tuple) -> Laplace:
@@ -110,27 +108,6 @@ def _fit_shards(rank: int, world: int) -> dict:
             for lik in ("regression", "classification")
         }
     )
-
-
-def _assert_equal(actual: object, expected: object, what: str) -> None:
-    if isinstance(expected, (tuple, list)):
-        assert len(actual) == len(expected), what  # type: ignore[arg-type]
-        for a, e in zip(actual, expected):  # type: ignore[call-overload]
-            _assert_equal(a, e, what)
-    elif isinstance(expected, torch.Tensor):
-        torch.testing.assert_close(
-            actual, expected, **TOL, msg=lambda m: f"{what}: {m}"
-        )
-    else:
-        assert actual == expected, what
-
-
-def _assert_ranks_equal_reference(per_rank: list[dict], reference: dict) -> None:
-    for rank, results in enumerate(per_rank):
-        assert results.keys() == reference.keys()
-        for key, expected in reference.items():
-            for name, value in expected.items():
-                _assert_equal(results[key][name], value, f"rank {rank} {key} {name}")
 
 
 @pytest.fixture(scope="module")
@@ -280,11 +257,10 @@ def _refusals(rank: int, world: int) -> dict:
     )
     empty = DataLoader(_shard(data, [0] * world, rank), batch_size=BATCH)
 
-    def gp() -> None:
-        Laplace(
-            base_model(2), "regression", "all", "gp", n_subset=10,
-            backend=DiffBackPackGGN,
-        ).fit(own)  # fmt: skip
+    def ella() -> None:
+        from laplace.baselaplace import ELLA  # laplace-torch 0.3 only
+
+        ELLA(base_model(2), "regression", 10, 5, backend=DiffBackPackGGN).fit(own)
 
     def upstream() -> int:
         from laplace.curvature import CurvlinopsGGN
@@ -300,7 +276,7 @@ def _refusals(rank: int, world: int) -> dict:
             lambda: _estimator("regression", kron).fit(DataLoader(data, BATCH))),
         "drop_last": _outcome(lambda: _estimator("regression", kron).fit(dropping)),
         "all empty": _outcome(lambda: _estimator("regression", kron).fit(empty)),
-        "gp": _outcome(gp),
+        "ELLA": _outcome(ella) if ON_LAPLACE_03 else ("NotImplementedError", "ELLA"),
         "marglik_training": _outcome(lambda: laplace.marglik_training(
             base_model(2), own, "regression", "diag", backend=DiffBackPackGGN,
             n_epochs=1)),
@@ -319,7 +295,7 @@ def test_refusals_are_clear_and_the_same_on_every_rank():
         "whole data on every rank": ("InvalidInputError", "its own shard"),
         "drop_last": ("InvalidInputError", "yielded 66 points but its shard holds 70"),
         "all empty": ("InvalidInputError", "every rank's shard is empty"),
-        "gp": ("NotImplementedError", "FunctionalLaplace.fit"),
+        "ELLA": ("NotImplementedError", "ELLA.fit"),
         "marglik_training": ("NotImplementedError", "DistributedDataParallel"),
     }
     for case, (kind, text) in expected.items():
