@@ -40,7 +40,7 @@ from torch.nn.utils import parameters_to_vector
 from ..errors import InvalidInputError
 from ._distributed_functional import functional_entry
 from ._patching import AttributePatch
-from ._process_group import all_reduce_sum, is_multi_process, rank
+from ._process_group import all_reduce_sum, all_reduce_sum_, is_multi_process, rank
 from ._shards import ShardedLoader, shard
 
 __all__ = ["distributed_fit_patches"]
@@ -76,7 +76,8 @@ def _reduce_sums(loss: torch.Tensor, H: Any) -> tuple[torch.Tensor, Any]:
     loss : torch.Tensor
         Scalar local loss sum.
     H : torch.Tensor or laplace.utils.Kron
-        Local curvature sum (``Kron`` factors are replaced in place).
+        Local curvature sum (``Kron`` factors are replaced in place). The
+        reduction holds one copy of it (``all_reduce`` in place on that copy).
 
     Returns
     -------
@@ -87,7 +88,7 @@ def _reduce_sums(loss: torch.Tensor, H: Any) -> tuple[torch.Tensor, Any]:
     tensors = _tensors_of(H)
     dtype = tensors[0].dtype
     flat = torch.cat([loss.reshape(1).to(dtype)] + [t.reshape(-1) for t in tensors])
-    flat = all_reduce_sum(flat)
+    flat = all_reduce_sum_(flat)
     pieces = torch.split(flat, [1] + [t.numel() for t in tensors])
     if isinstance(H, Kron):
         new_kfacs = iter(p.view_as(t) for p, t in zip(pieces[1:], tensors))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_object",
     "all_reduce_sum",
+    "all_reduce_sum_",
     "broadcast_object",
     "communication_device",
     "is_multi_process",
@@ -66,6 +67,27 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     buffer = tensor.detach().to(communication_device(), copy=True)
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
     return buffer.to(tensor.device)
+
+
+def all_reduce_sum_(buffer: torch.Tensor) -> torch.Tensor:
+    """Sum a buffer the caller owns over the ranks, in place where possible.
+
+    Parameters
+    ----------
+    buffer : torch.Tensor
+        This rank's partial sums (overwritten when it is on the device the group
+        communicates on, so no copy of it is made).
+
+    Returns
+    -------
+    torch.Tensor
+        The sums over ranks, on ``buffer``'s device.
+
+    """
+    if is_multi_process() and buffer.device == communication_device():
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        return buffer
+    return all_reduce_sum(buffer)
 
 
 def broadcast_object(obj: Any, source: int) -> Any:
