@@ -5,10 +5,11 @@ Every configuration runs in a fresh process (so its max RSS is its own); with
 group, each fitting its own shard (rank 0 the first ``ceil(N/2)`` points, a
 ``Subset``), one thread each. The data: generated regression (10 inputs, float64),
 an MLP 10-50-50-1 (tanh, 3151 parameters). Measured per configuration: seconds of
-``Laplace(...).fit(loader)`` (the slowest rank), the fit's own peak RSS above the
-RSS just before it (``/proc`` high-water mark reset after imports, model and data;
-the largest over the ranks), the process's max RSS, and the log marginal
-likelihood, whose relative difference to the one-process fit is reported.
+``Laplace(...).fit(loader)`` (the slowest rank; the ranks start their clocks after
+a barrier), the fit's own peak RSS above the RSS just before it (``/proc``
+high-water mark reset after imports, model and data; the largest over the ranks),
+the process's max RSS, and the log marginal likelihood, whose relative difference
+to the one-process fit is reported.
 
 Usage::
 
@@ -79,6 +80,8 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     la = Laplace(
         model, "regression", cfg["subset"], cfg["structure"], backend=DiffBackPackGGN
     )
+    if world > 1:
+        dist.barrier()  # start the clocks together: not the other rank's imports
     before = _reset_peak()
     start = time.perf_counter()
     la.fit(loader)
