@@ -3,7 +3,9 @@
 ``register``/``unregister`` make every estimator accept this package's backends
 (``_registration``); ``patch_laplace`` swaps laplace-torch's BackPACK backends for
 ours while active (``_drop_in``). Both are reversible replacements of single class
-attributes (``_patching``), decided by ``issubclass``.
+attributes (``_patching``), decided by ``issubclass``. While registered, estimators
+with our backends fit the union of the ranks' shards under a ``torch.distributed``
+group (``_distributed_fit``, ``_distributed_functional``, ``_distributed_tuning``).
 """
 
 from ._compat import LAPLACE_VERSION
