@@ -30,6 +30,7 @@ import torch
 from laplace.baselaplace import BaseLaplace
 from laplace.utils import validate
 
+from ..errors import InvalidInputError
 from ._patching import AttributePatch
 from ._process_group import all_gather_object, all_reduce_sum, is_multi_process, rank
 from ._shards import shard_size
@@ -79,8 +80,26 @@ def sharded_gridsearch(
     torch.Tensor
         The chosen prior precision, the same on every rank.
 
+    Raises
+    ------
+    InvalidInputError
+        On every rank alike: every validation shard is empty, or a rank's
+        shard size is unknown (a padding sampler, no ``len``).
+
     """
-    sizes = [int(s) for s in all_gather_object(shard_size(val_loader))]
+    try:
+        view: tuple[int, str | None] = (shard_size(val_loader), None)
+    except InvalidInputError as error:
+        view = (0, str(error))
+    views = all_gather_object(view)
+    for r, (_, message) in enumerate(views):
+        if message is not None:
+            raise InvalidInputError(
+                f"gridsearch, rank {r}'s validation loader: {message}"
+            )
+    sizes = [int(size) for size, _ in views]
+    if sum(sizes) == 0:
+        raise InvalidInputError("gridsearch: every rank's validation shard is empty.")
     n_local = sizes[rank()]
     options = dict(pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
     weighted = []

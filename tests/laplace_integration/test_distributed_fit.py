@@ -262,6 +262,13 @@ def _refusals(rank: int, world: int) -> dict:
 
         ELLA(base_model(2), "regression", 10, 5, backend=DiffBackPackGGN).fit(own)
 
+    def gridsearch_without_validation_points() -> None:
+        la = _estimator("regression", kron)
+        la.fit(own)
+        la.optimize_prior_precision(
+            method="gridsearch", val_loader=empty, pred_type="glm", grid_size=3
+        )
+
     def upstream() -> int:
         from laplace.curvature import CurvlinopsGGN
 
@@ -280,6 +287,7 @@ def _refusals(rank: int, world: int) -> dict:
         "marglik_training": _outcome(lambda: laplace.marglik_training(
             base_model(2), own, "regression", "diag", backend=DiffBackPackGGN,
             n_epochs=1)),
+        "empty validation": _outcome(gridsearch_without_validation_points),
         "upstream n_data": upstream(),
     }  # fmt: skip
 
@@ -296,6 +304,7 @@ def test_refusals_are_clear_and_the_same_on_every_rank():
         "drop_last": ("InvalidInputError", "yielded 66 points but its shard holds 70"),
         "all empty": ("InvalidInputError", "every rank's shard is empty"),
         "ELLA": ("NotImplementedError", "ELLA.fit"),
+        "empty validation": ("InvalidInputError", "every rank's validation shard"),
         "marglik_training": ("NotImplementedError", "DistributedDataParallel"),
     }
     if not ON_LAPLACE_03:  # no ELLA in laplace-torch 0.2.3
