@@ -32,14 +32,20 @@ from ..jacobians._backpack_run import run_extension
 from ..jacobians._engine import parameter_jacobians, per_sample_gradients
 from ..jacobians._inputs import check_mapping_or_tensor_batch, check_tensor_batch
 from ..jacobians._last_layer import last_layer_jacobians
+from ._chunking import (
+    DEFAULT_JACOBIAN_BUDGET,
+    ChunkedCurvature,
+    check_budget,
+)
 
 
-class _SideEffectFreeBackPack:
+class _SideEffectFreeBackPack(ChunkedCurvature):
     """Methods shared by both BackPACK backends.
 
     Mixed in before laplace-torch's class, so these replace its methods; the
     constructor skips ``BackPackInterface.__init__``, which would ``extend`` the model
-    and its loss (global hooks that break ``torch.func``).
+    and its loss (global hooks that break ``torch.func``). ``jacobian_budget``
+    (bytes, default 1 GiB) bounds each chunk of per-sample Jacobians (``_chunking``).
     """
 
     model: nn.Module
@@ -55,8 +61,10 @@ class _SideEffectFreeBackPack:
         likelihood: Any,
         last_layer: bool = False,
         subnetwork_indices: torch.LongTensor | None = None,
+        jacobian_budget: int = DEFAULT_JACOBIAN_BUDGET,
         **kwargs: Any,
     ) -> None:
+        self.jacobian_budget = check_budget(jacobian_budget)
         super(BackPackInterface, self).__init__(  # type: ignore[call-arg]
             model,
             likelihood,
@@ -68,6 +76,9 @@ class _SideEffectFreeBackPack:
     @property
     def _name(self) -> str:
         return type(self).__name__
+
+    def _check_input(self, x: Any) -> None:
+        check_mapping_or_tensor_batch(x, self.model, self._name)
 
     def _select(self, J: torch.Tensor) -> torch.Tensor:
         if self.subnetwork_indices is None:
@@ -98,12 +109,16 @@ class _SideEffectFreeBackPack:
 
         """
         check_mapping_or_tensor_batch(x, self.model, self._name)
-        Js, f = parameter_jacobians(
-            self.model,
+        Js, f = self._chunked_jacobians(
+            lambda part: parameter_jacobians(
+                self.model,
+                part,
+                self.params,
+                root=self._model,  # type: ignore[attr-defined]
+                enable_backprop=enable_backprop,
+            ),
             x,
-            self.params,
-            root=self._model,  # type: ignore[attr-defined]
-            enable_backprop=enable_backprop,
+            last_layer=False,
         )
         return self._select(Js), f
 
@@ -128,7 +143,11 @@ class _SideEffectFreeBackPack:
 
         """
         check_mapping_or_tensor_batch(x, self.model, self._name)
-        return last_layer_jacobians(self.model, x, enable_backprop)
+        return self._chunked_jacobians(
+            lambda part: last_layer_jacobians(self.model, part, enable_backprop),
+            x,
+            last_layer=True,
+        )
 
     def selected_output_jacobians(
         self,
@@ -233,6 +252,9 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
         Indices of the flattened parameter vector that form the subnetwork.
     stochastic : bool, default=False
         Monte-Carlo Fisher (``DiagGGNMC``/``KFAC``) instead of the exact GGN.
+    jacobian_budget : int, default=2**30
+        Bytes of per-sample Jacobians computed at once (``full``, ``jacobians``);
+        a single sample above it is refused with an error naming it.
     **kwargs
         Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``).
 
@@ -318,10 +340,14 @@ class DiffBackPackEF(_SideEffectFreeBackPack, BackPackEF):
         Curvature of the last layer only.
     subnetwork_indices : torch.LongTensor, optional
         Indices of the flattened parameter vector that form the subnetwork.
+    jacobian_budget : int, default=2**30
+        Bytes of per-sample gradients computed at once by ``full``.
     **kwargs
         Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``).
 
     """
+
+    _jacobian_rows = 1  # full() takes per-sample gradients, one row per sample
 
     def diag(
         self, x: torch.Tensor, y: torch.Tensor, **kwargs: Any

@@ -6,6 +6,9 @@ ours while active (``_drop_in``). Both are reversible replacements of single cla
 attributes (``_patching``), decided by ``issubclass``. ``LocationFunctionalLaplace``
 is laplace-torch's ``FunctionalLaplace`` on given locations
 (``_functional_laplace``), the one subclass of a laplace-torch estimator here.
+While registered, estimators with our backends fit the union of the ranks' shards
+under a ``torch.distributed`` group (``_distributed_fit``,
+``_distributed_functional``, ``_distributed_tuning``).
 """
 
 from ._compat import LAPLACE_VERSION

@@ -51,6 +51,8 @@ from ..backends import (
     upstream_stand_in,
 )
 from ._backend_args import wrap_init
+from ._distributed_fit import distributed_fit_patches
+from ._distributed_tuning import tuning_patches
 from ._factory import factory_patches
 from ._patching import AttributePatch, SharedPatches
 
@@ -152,7 +154,25 @@ def _make_patches() -> list[AttributePatch]:
         )
     # Laplace(..., functional_approximation="context") builds a ContextPosterior.
     patches.extend(factory_patches())
+    # Under torch.distributed: fit over the ranks' shards (or refuse), grid search
+    # over validation shards, marglik_training refused.
+    patches.extend(distributed_fit_patches(_uses_ours))
+    patches.extend(tuning_patches(_uses_ours, _backend_is_ours))
     return patches
+
+
+def _uses_ours(estimator: Any) -> bool:
+    """Whether an estimator's backend class is one of ours."""
+    return is_side_effect_free(getattr(estimator, "_backend_cls", None))
+
+
+def _backend_is_ours(backend: object) -> bool:
+    """Whether ``backend`` is ours, or becomes ours under an active drop-in patch."""
+    from ._drop_in import REPLACEMENTS, is_patched  # the drop-in imports this module
+
+    return is_side_effect_free(backend) or (
+        is_patched() and any(backend is upstream for upstream in REPLACEMENTS)
+    )
 
 
 def _side_effect_aware(original: property) -> property:

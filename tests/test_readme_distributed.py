@@ -1,0 +1,57 @@
+"""The README's torchrun example runs on two ranks and fits the union of the shards."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def _block(marker: str) -> str:
+    match = re.search(
+        rf"<!-- {marker} -->\s*```python\n(.*?)```\s*<!-- /{marker} -->",
+        README.read_text(),
+        re.S,
+    )
+    assert match, f"README has no {marker} block"
+    return match.group(1)
+
+
+def _torchrun(script: Path, ranks: int) -> list[tuple[int, int, float]]:
+    """``(rank, n_data, log evidence)`` printed by each rank, in rank order."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + [f"--nproc_per_node={ranks}", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=script.parent,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    return sorted(
+        (int(r), int(n), float(e)) for r, n, e in (x for x in rows if len(x) == 3)
+    )
+
+
+@pytest.mark.slow
+def test_readme_torchrun_example_fits_all_points_on_both_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "fit.py"
+    script.write_text(_block("distributed-fit-example"))
+    two = _torchrun(script, 2)
+    (single,) = _torchrun(script, 1)  # a group of one: laplace-torch unchanged
+    assert [(rank, n_data) for rank, n_data, _ in two] == [(0, 1000), (1, 1000)]
+    assert two[0][2] == two[1][2]
+    # float32 model: the ranks' sums are rounded in another order than one process's.
+    assert math.isclose(two[0][2], single[2], rel_tol=1e-5)
+    assert single[:2] == (0, 1000)
