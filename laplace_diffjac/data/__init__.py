@@ -17,13 +17,18 @@ from ._checks import (
     check_targets,
 )
 from ._process_group import (
+    all_gather_object,
     all_reduce_sum,
+    broadcast_object,
     check_same_on_ranks,
+    communication_device,
     is_distributed,
+    is_multi_process,
     max_over_ranks,
     rank,
     reduce_mean,
     reduce_sum,
+    reduce_sum_in_place,
     shard_offsets,
     world_size,
 )
@@ -31,6 +36,11 @@ from ._shards import assemble_rows, check_shard, local_indices
 from ._training_data import Data, SizedLoader, TrainingData
 
 __all__ = [
+    "all_gather_object",
+    "broadcast_object",
+    "communication_device",
+    "is_multi_process",
+    "reduce_sum_in_place",
     "Data",
     "SizedLoader",
     "TrainingData",

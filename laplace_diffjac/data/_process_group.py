@@ -15,13 +15,20 @@ CPU, ``nccl`` on GPU).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from ..errors import InvalidInputError
 
 __all__ = [
+    "all_gather_object",
     "all_reduce_sum",
+    "broadcast_object",
+    "communication_device",
+    "is_multi_process",
+    "reduce_sum_in_place",
     "check_same_on_ranks",
     "is_distributed",
     "max_over_ranks",
@@ -174,3 +181,54 @@ def check_same_on_ranks(x: torch.Tensor, name: str) -> None:
             f"{name} differs between the ranks of the process group; pass the "
             "same tensor on every rank (e.g. broadcast it from rank 0)."
         )
+
+
+def is_multi_process() -> bool:
+    """Whether a process group with more than one process is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def communication_device() -> torch.device:
+    """The device tensors must be on for the group's collectives."""
+    if is_multi_process() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_sum_in_place(buffer: torch.Tensor) -> torch.Tensor:
+    """Sum a buffer the caller owns over the ranks, in place where possible.
+
+    Parameters
+    ----------
+    buffer : torch.Tensor
+        This rank's partial sums (overwritten when it is on the device the group
+        communicates on, so no copy of it is made).
+
+    Returns
+    -------
+    torch.Tensor
+        The sums over ranks, on ``buffer``'s device.
+
+    """
+    if is_multi_process() and buffer.device == communication_device():
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        return buffer
+    return reduce_sum(buffer)
+
+
+def broadcast_object(obj: Any, source: int) -> Any:
+    """``obj`` of rank ``source``, on every rank (pickled; keep it small)."""
+    if not is_multi_process():
+        return obj
+    box = [obj if rank() == source else None]
+    dist.broadcast_object_list(box, src=source, device=communication_device())
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (pickled; keep it small)."""
+    if not is_multi_process():
+        return [obj]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

@@ -37,10 +37,10 @@ from laplace.baselaplace import BaseLaplace, FunctionalLaplace, ParametricLaplac
 from laplace.utils import Kron
 from torch.nn.utils import parameters_to_vector
 
+from ..data import is_multi_process, rank, reduce_sum, reduce_sum_in_place
 from ..errors import InvalidInputError
 from ._distributed_functional import functional_entry
 from ._patching import AttributePatch
-from ._process_group import all_reduce_sum, all_reduce_sum_, is_multi_process, rank
 from ._shards import ShardedLoader, shard
 
 __all__ = ["distributed_fit_patches"]
@@ -88,7 +88,7 @@ def _reduce_sums(loss: torch.Tensor, H: Any) -> tuple[torch.Tensor, Any]:
     tensors = _tensors_of(H)
     dtype = tensors[0].dtype
     flat = torch.cat([loss.reshape(1).to(dtype)] + [t.reshape(-1) for t in tensors])
-    flat = all_reduce_sum_(flat)
+    flat = reduce_sum_in_place(flat)
     pieces = torch.split(flat, [1] + [t.numel() for t in tensors])
     if isinstance(H, Kron):
         new_kfacs = iter(p.view_as(t) for p, t in zip(pieces[1:], tensors))
@@ -144,7 +144,7 @@ def _local_sums(
 def _check_counts(loader: ShardedLoader, count: int) -> None:
     counts = torch.zeros(len(loader.sizes), dtype=torch.int64)
     counts[rank()] = count
-    counts = all_reduce_sum(counts)
+    counts = reduce_sum(counts)
     for r, (seen, size) in enumerate(zip(counts.tolist(), loader.sizes)):
         if seen != size:
             raise InvalidInputError(

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
-from ._process_group import all_gather_object, is_multi_process, rank
+from ..data import all_gather_object, is_multi_process, rank
 from ._shards import shard
 
 __all__ = ["GatheredSubset", "functional_entry"]

@@ -30,9 +30,9 @@ import torch
 from laplace.baselaplace import BaseLaplace
 from laplace.utils import validate
 
+from ..data import all_gather_object, is_multi_process, rank, reduce_sum
 from ..errors import InvalidInputError
 from ._patching import AttributePatch
-from ._process_group import all_gather_object, all_reduce_sum, is_multi_process, rank
 from ._shards import shard_size
 
 __all__ = ["tuning_patches"]
@@ -109,7 +109,7 @@ def sharded_gridsearch(
             weighted.append(0.0)
             continue
         weighted.append(n_local * _validation_loss(la, val_loader, loss, options))
-    totals = all_reduce_sum(torch.tensor(weighted, dtype=torch.float64)) / sum(sizes)
+    totals = reduce_sum(torch.tensor(weighted, dtype=torch.float64)) / sum(sizes)
     return interval[int(np.argmin(totals.numpy()))]
 
 

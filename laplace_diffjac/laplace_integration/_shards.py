@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
+from ..data import all_gather_object, broadcast_object, rank, world_size
 from ..errors import InvalidInputError
-from ._process_group import all_gather_object, broadcast_object, rank, world_size
 
 __all__ = ["ShardedLoader", "shard", "shard_size"]
 
