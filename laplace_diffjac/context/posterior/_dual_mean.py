@@ -32,7 +32,28 @@ import torch
 from ._factor_cache import PredictiveFactor
 from ._statistics import Accumulators
 
-__all__ = ["dual_mean"]
+__all__ = ["check_predictive_mean", "dual_mean"]
+
+
+def check_predictive_mean(predictive_mean: str) -> str:
+    """``predictive_mean`` if it is ``'network'`` or ``'dual'``.
+
+    Returns
+    -------
+    str
+
+    Raises
+    ------
+    ValueError
+        Naming the two choices.
+
+    """
+    if predictive_mean not in ("network", "dual"):
+        raise ValueError(
+            "predictive_mean must be 'network' (laplace-torch's GLM mean) or "
+            f"'dual' (the linearised GP's posterior mean); got {predictive_mean!r}."
+        )
+    return predictive_mean
 
 
 def dual_mean(

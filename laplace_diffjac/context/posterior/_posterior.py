@@ -42,7 +42,7 @@ from ...errors import InvalidInputError
 from ...kernels import PriorPrecision, jacobians
 from . import _tuning
 from ._data_pass import accumulate, compute_copy, model_jacobians, sync_copy
-from ._dual_mean import dual_mean
+from ._dual_mean import check_predictive_mean, dual_mean
 from ._evidence import evidence_terms, log_likelihood
 from ._factor_cache import FactorCache, PredictiveFactor
 from ._hyperparameters import (
@@ -168,12 +168,7 @@ class ContextPosterior:
         self.prior_mean = prior_mean
         infer_structure(prior_structure, self.prior_precision, self.n_layers)
         self._structure_request = prior_structure
-        if predictive_mean not in ("network", "dual"):
-            raise ValueError(
-                "predictive_mean must be 'network' (laplace-torch's GLM mean) or "
-                f"'dual' (the linearised GP's posterior mean); got {predictive_mean!r}."
-            )
-        self.predictive_mean = predictive_mean
+        self.predictive_mean = check_predictive_mean(predictive_mean)
         self.enable_backprop = enable_backprop
         self.jitter = jitter
         self.batch_size = batch_size
