@@ -34,7 +34,9 @@ def wrap_init(original: Callable[..., None], policy: BackendPolicy) -> Callable:
     Returns
     -------
     callable
-        The wrapper, with ``original``'s name, docstring and signature.
+        The wrapper, with ``original``'s name, docstring and signature; its
+        ``backend_policy`` attribute is ``policy`` (so others can ask what a
+        backend becomes while the wrapper is installed).
 
     Raises
     ------
@@ -61,6 +63,7 @@ def wrap_init(original: Callable[..., None], policy: BackendPolicy) -> Callable:
             self._backend_cls = installed
             self._backend = None
 
+    __init__.backend_policy = policy  # type: ignore[attr-defined]
     return __init__
 
 

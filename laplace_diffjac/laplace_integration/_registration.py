@@ -167,12 +167,21 @@ def _uses_ours(estimator: Any) -> bool:
 
 
 def _backend_is_ours(backend: object) -> bool:
-    """Whether ``backend`` is ours, or becomes ours under an active drop-in patch."""
-    from ._drop_in import REPLACEMENTS, is_patched  # the drop-in imports this module
+    """Whether ``backend`` is ours, or becomes ours in ``BaseLaplace.__init__``.
 
-    return is_side_effect_free(backend) or (
-        is_patched() and any(backend is upstream for upstream in REPLACEMENTS)
-    )
+    An active :func:`~laplace_diffjac.patch_laplace` wraps that constructor with a
+    policy that swaps laplace-torch's BackPACK backends for ours; the wrapper's
+    ``backend_policy`` says what a backend becomes (no import of the drop-in,
+    which imports this module).
+
+    Returns
+    -------
+    bool
+    """
+    if is_side_effect_free(backend):
+        return True
+    policy = getattr(vars(BaseLaplace)["__init__"], "backend_policy", None)
+    return policy is not None and is_side_effect_free(policy(backend)[0])
 
 
 def _side_effect_aware(original: property) -> property:

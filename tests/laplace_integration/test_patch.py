@@ -128,3 +128,16 @@ def test_patch_registers_adapter_only_for_its_duration():
     finally:
         register()
     assert is_registered()
+
+
+def test_a_backend_counts_as_ours_exactly_while_the_drop_in_swaps_it():
+    """The distributed refusals see laplace-torch's BackPackGGN as ours when patched."""
+    from laplace.curvature import BackPackGGN, CurvlinopsGGN
+
+    from laplace_diffjac.laplace_integration._registration import _backend_is_ours
+
+    assert _backend_is_ours(DiffBackPackGGN) and not _backend_is_ours(BackPackGGN)
+    with patch_laplace():
+        assert _backend_is_ours(BackPackGGN)
+        assert not _backend_is_ours(CurvlinopsGGN)
+    assert not _backend_is_ours(BackPackGGN)
