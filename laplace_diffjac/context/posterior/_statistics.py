@@ -12,8 +12,8 @@ kept in the *frame* of the unscaled locations' Gram ``K⁰ = Σ_g K_ZZ^g``::
     d       = Σₙ diag(Jₙᵀ Λ̃ₙ Jₙ)                                   (P,)
     loss    = Σₙ ½‖yₙ − f(xₙ)‖² (regression) or Σₙ −log softmax(f(xₙ))_{yₙ}
 
-The locations' Jacobians are whitened once, ``G = L₀⁻¹ J_Z diag(√w)`` ``(MC, P)``,
-so a batch's ``Vₙ^g = G^g diag(√w^g) Jₙ^gᵀ`` costs one product, as ``K_Zn`` did.
+The locations' Jacobians are whitened once, ``G = L₀⁻¹ J_Z diag(w)`` ``(MC, P)``,
+so a batch's ``Vₙ^g = G^g Jₙ^gᵀ`` costs one product, as ``K_Zn`` did.
 Every batch is whitened before it is added (the sparse-GP form of GPflow's SGPR),
 so the sums are well scaled and do not depend on how the data is batched; the
 unwhitened ``K_ZX Λ K_XZ``, whose rounding a later whitening would amplify by the
@@ -110,8 +110,9 @@ class Accumulators:
     Attributes
     ----------
     G : torch.Tensor
-        ``(M, C, P)`` the locations' whitened, square-root weighted Jacobians
-        ``L₀⁻¹ J_Z diag(√w)`` (rows ordered as ``J_Z``'s ``(m, c)``).
+        ``(M, C, P)`` the locations' whitened, weighted Jacobians
+        ``L₀⁻¹ J_Z diag(w)`` (rows ordered as ``J_Z``'s ``(m, c)``), so that
+        ``L₀⁻¹ K_Zb^g = G^g J_b^gᵀ`` needs no copy of a batch's Jacobians.
     sqrt_w : torch.Tensor
         ``(P,)`` the groups' fixed weights' square roots.
     bounds : tuple of (int, int)
@@ -176,7 +177,8 @@ class Accumulators:
         Jw = (J_z * sqrt_w).reshape(M * C, P)
         K_diag = torch.stack([Jw[:, a:b].square().sum(1) for a, b in groups.bounds])
         L0 = frame_factor(Jw @ Jw.T, jitter)
-        G_ = torch.linalg.solve_triangular(L0, Jw, upper=False).reshape(M, C, P)
+        G_ = torch.linalg.solve_triangular(L0, Jw * sqrt_w, upper=False)
+        G_ = G_.reshape(M, C, P)
         zeros = J_z.new_zeros
         n_groups = len(groups.bounds)
         return Accumulators(
@@ -232,15 +234,15 @@ class Accumulators:
             ``Σ_g scales_g L₀⁻¹ K_Zb^g``.
         """
         G_ = self.G.reshape(-1, self.G.shape[-1])
-        Jw = (Js * self.sqrt_w.to(Js)).reshape(-1, Js.shape[-1])
-        parts = [G_[:, a:b] @ Jw[:, a:b].T for a, b in self.bounds]
+        J2 = Js.reshape(-1, Js.shape[-1])
+        parts = [G_[:, a:b] @ J2[:, a:b].T for a, b in self.bounds]
         if scales is None:
             return parts
         return [sum(s * V for s, V in zip(scales, parts))]
 
     def group_grams(self) -> torch.Tensor:
         """``L₀⁻¹ K_ZZ^g L₀⁻ᵀ`` ``(G, MC, MC)`` from the whitened Jacobians (PSD)."""
-        G_ = self.G.reshape(-1, self.G.shape[-1])
+        G_ = self.G.reshape(-1, self.G.shape[-1]) / self.sqrt_w
         return torch.stack([G_[:, a:b] @ G_[:, a:b].T for a, b in self.bounds])
 
     def add(
