@@ -158,3 +158,28 @@ def test_readme_evidence_example_runs():
     exec(code, namespace)  # noqa: S102
     cp = namespace["cp"]
     assert float(cp.prior_precision) > 0 and 0 < float(cp.sigma_noise) < 1
+
+
+def test_default_validation_losses_equal_laplace_torch_s():
+    """The grid search's own losses against torchmetrics' MSE and laplace's NLL."""
+    import torchmetrics
+    from laplace.utils import RunningNLLMetric
+
+    from laplace_diffjac.context.posterior._tuning import MeanSquaredError, RunningNLL
+
+    gen = torch.Generator().manual_seed(0)
+    mean, y = torch.randn(20, 3, generator=gen), torch.randn(20, 3, generator=gen)
+    ours, theirs = MeanSquaredError(), torchmetrics.MeanSquaredError(num_outputs=3)
+    for a, b in ((mean[:7], y[:7]), (mean[7:], y[7:])):
+        ours.update(a, torch.ones_like(a), b)
+        theirs.update(a, b)
+    torch.testing.assert_close(ours.compute().float(), theirs.compute().float())
+    probs = torch.softmax(torch.randn(20, 4, generator=gen), -1)
+    labels = torch.randint(0, 4, (20,), generator=gen)
+    ours_nll, theirs_nll = RunningNLL(), RunningNLLMetric()
+    for sl in (slice(0, 7), slice(7, 20)):
+        ours_nll.update(probs[sl], labels[sl])
+        theirs_nll.update(probs[sl], labels[sl])
+    torch.testing.assert_close(
+        ours_nll.compute().float(), torch.as_tensor(theirs_nll.compute()).float()
+    )

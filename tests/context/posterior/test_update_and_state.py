@@ -165,3 +165,42 @@ def test_evidence_without_targets_raises():
     la.fit(MLP.inputs(6))
     with pytest.raises(ValueError, match="targets"):
         la.log_marginal_likelihood()
+
+
+def test_location_functional_laplace_refuses_an_unchecked_laplace_release(
+    monkeypatch,
+):
+    import laplace_diffjac.laplace_integration._functional_laplace as lfl
+
+    monkeypatch.setattr(lfl, "LAPLACE_VERSION", (0, 4))
+    with pytest.raises(
+        RuntimeError, match=r"checked against laplace-torch 0\.2\.3, 0\.3"
+    ):
+        LocationFunctionalLaplace(MLP.model(), "regression", MLP.inputs(4, 2))
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_a_state_of_format_1_is_read(likelihood):
+    """0.1.0 saved the unwhitened sums B = L0 W L0^T and J_Z; they load."""
+    from laplace_diffjac.kernels import jacobians
+
+    x, z, xs = MLP.inputs(15, 1), MLP.inputs(4, 2), MLP.inputs(3, 3)
+    y = _targets(likelihood, x)
+    la = ContextPosterior(MLP.model(), likelihood, z).fit((x, y))
+    state = la.state_dict()
+    acc = state["accumulators"]
+    L0 = acc["L0"]
+    J_z = jacobians(la.backend, z, enable_backprop=False).to(torch.float64)
+    K_zz = torch.einsum("mcp,nep->mcne", J_z, J_z).reshape(1, 12, 12)
+    old = {
+        "J_z": J_z,
+        "K_zz": K_zz,
+        "B": L0 @ acc["W"] @ L0.T,
+        **{k: acc[k] for k in ("ggn_diag", "loss", "n_data", "has_targets")},
+    }
+    state = {**state, "format": "laplace_diffjac.ContextPosterior/1",
+             "accumulators": old}  # fmt: skip
+    loaded = ContextPosterior(MLP.model(), likelihood, z)
+    loaded.load_state_dict(state)
+    for a, b in zip(_outputs(loaded, xs), _outputs(la, xs)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
