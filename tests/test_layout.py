@@ -19,6 +19,7 @@ LAYERS = [
     "kernels",
     "data",
     "context",
+    "bayesopt",
     "laplace_integration",
     "examples",
 ]
@@ -57,6 +58,7 @@ SUBPACKAGE_NAMES = {
     ],
     "laplace_diffjac.context.locations": ["optimize_locations", "LocationSettings"],
     "laplace_diffjac.context.posterior": ["ContextPosterior", "evidence_loss_backward"],
+    "laplace_diffjac.bayesopt": ["ContextBoTorch", "RetrainSchedule"],
     "laplace_diffjac.examples": ["make_moons", "train_mlp", "run_demo"],
     "laplace_diffjac.examples.plotting": ["plot"],
 }

@@ -54,12 +54,10 @@ from ._hyperparameters import (
     layer_sizes,
 )
 from ._predictive import gaussian_samples, link_probabilities
+from ._state import load_posterior_state, posterior_state
 from ._statistics import Accumulators, reduce_accumulators
 
 __all__ = ["ContextPosterior"]
-
-_FORMAT = "laplace_diffjac.ContextPosterior/2"
-_FORMATS = (_FORMAT, "laplace_diffjac.ContextPosterior/1")  # readable
 
 
 class ContextPosterior:
@@ -542,24 +540,7 @@ class ContextPosterior:
             Before ``fit``.
 
         """
-        acc, groups = self._fitted()
-        return {
-            "format": _FORMAT,
-            "mean": self.mean,
-            "param_shapes": [list(p.shape) for p in self.backend.params],
-            "likelihood": self.likelihood,
-            "locations": self.locations,
-            "prior_precision": self.prior_precision.detach(),
-            "prior_mean": self.prior_mean.detach(),
-            "sigma_noise": self.sigma_noise.detach(),
-            "temperature": float(self.temperature),
-            "enable_backprop": bool(self.enable_backprop),
-            "jitter": float(self.jitter),
-            "prior_structure": groups.structure,
-            "group_bounds": [list(b) for b in groups.bounds],
-            "group_weight": groups.weight,
-            "accumulators": acc.to_state(),
-        }
+        return posterior_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the model must be the saved one's.
@@ -576,40 +557,7 @@ class ContextPosterior:
             parameter shapes or the likelihood differ.
 
         """
-        if state_dict.get("format") not in _FORMATS:
-            raise ValueError(
-                "Loading a wrong Laplace type: not a ContextPosterior state."
-            )
-        if len(state_dict["mean"]) != self.n_params or state_dict["param_shapes"] != [
-            list(p.shape) for p in self.backend.params
-        ]:
-            raise ValueError(
-                "Attempting to load a ContextPosterior fitted on a model with "
-                "different parameters (count or shapes) than this one's."
-            )
-        if self.likelihood != state_dict["likelihood"]:
-            raise ValueError(
-                f"Different likelihoods: saved {state_dict['likelihood']!r}, this "
-                f"posterior {self.likelihood!r}."
-            )
-        self.locations = state_dict["locations"].to(self._device)
-        self.prior_precision = state_dict["prior_precision"]
-        self.prior_mean = state_dict["prior_mean"]
-        self.sigma_noise = state_dict["sigma_noise"]
-        self.temperature = state_dict["temperature"]
-        self.enable_backprop = state_dict["enable_backprop"]
-        self.jitter = state_dict["jitter"]
-        bounds = tuple(tuple(b) for b in state_dict["group_bounds"])
-        self._groups = PriorGroups(
-            state_dict["prior_structure"],
-            bounds,
-            state_dict["group_weight"],
-            self.n_layers,
-        )
-        self._acc = Accumulators.from_state(
-            state_dict["accumulators"], self._groups, self.jitter
-        )
-        self._factors.clear()
+        load_posterior_state(self, state_dict)
 
     def _offset(self) -> torch.Tensor:
         """``θ* − μ₀`` ``(P,)`` in float64 (the dual mean's linearisation)."""
@@ -664,41 +612,87 @@ class ContextPosterior:
         return (K_ss - V @ V.transpose(1, 2)).to(Js.dtype)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
-        """Joint latent posterior covariance of all test outputs.
+        """Joint latent posterior covariance of all test outputs (per batch).
 
         Parameters
         ----------
         Js : torch.Tensor
-            Jacobians at the test inputs, ``(B*, C, P)``.
+            Jacobians at the test inputs, ``(*batch, B*, C, P)``.
 
         Returns
         -------
         torch.Tensor
-            ``(B* C, B* C)``, ordered input-major as laplace-torch.
+            ``(*batch, B* C, B* C)``, ordered input-major as laplace-torch: the
+            joint covariance of each batch's ``B*`` inputs, none across batches.
 
         """
         factor = self._factor()
-        J = Js.to(torch.float64).reshape(-1, Js.shape[-1])
-        K_ss = (J * self._kernel_prior_var()) @ J.T
-        V = factor.project(self._whitened_cross(Js))
-        return (K_ss - V @ V.T).to(Js.dtype)
+        batch, (C, P) = Js.shape[:-3], Js.shape[-2:]
+        J = Js.to(torch.float64).reshape(*batch, -1, P)  # (*batch, B* C, P)
+        K_ss = (J * self._kernel_prior_var()) @ J.transpose(-1, -2)
+        V = factor.project(self._whitened_cross(J.reshape(-1, C, P)))
+        V = V.reshape(*J.shape[:-1], -1)  # (*batch, B* C, MC)
+        return (K_ss - V @ V.transpose(-1, -2)).to(Js.dtype)
 
-    def _glm_predictive_distribution(
-        self, x: torch.Tensor, joint: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def joint_predictive(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Joint latent predictive of batches of inputs (BoTorch's q-batches).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            ``(*batch, q, *input_shape)``; ``batch`` may be empty.
+
+        Returns
+        -------
+        mean : torch.Tensor
+            ``(*batch, q, C)``, the predictive mean (``predictive_mean``).
+        covariance : torch.Tensor
+            ``(*batch, q C, q C)`` input-major, without observation noise;
+            differentiable in ``x`` with ``enable_backprop=True``.
+
+        Raises
+        ------
+        InvalidInputError
+            For inputs without a ``q`` axis in front of the locations' feature
+            shape, or as for prediction.
+
+        """
+        feature_dims = self.locations.dim() - 1
+        lead = x.shape[: x.dim() - feature_dims]
+        if not lead or x.shape[x.dim() - feature_dims :] != self.locations.shape[1:]:
+            raise InvalidInputError(
+                f"x has shape {tuple(x.shape)}; expected (*batch, q, "
+                f"{', '.join(map(str, self.locations.shape[1:]))}) like the locations."
+            )
+        flat = x.reshape(-1, *self.locations.shape[1:])
+        f, Js = self._predictive_pieces(flat)
+        covariance = self.functional_covariance(Js.reshape(*lead, *Js.shape[1:]))
+        return self._as_output(f.reshape(*lead, -1), covariance)
+
+    def _predictive_pieces(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The predictive mean ``(B*, C)`` and the Jacobians ``(B*, C, P)`` at ``x``."""
         check_inputs(x, "x", self._dtype, self.locations.shape[1:])
         x = x.to(self._compute_dtype)
         Js, f = model_jacobians(self._compute_backend, x, self.enable_backprop)
         if self.predictive_mean == "dual":
             f = self._dual_mean(Js, f)
-        if joint:
-            mean, var = f.flatten(), self.functional_covariance(Js)
-        else:
-            mean, var = f, self.functional_variance(Js)
+        return f, Js
+
+    def _as_output(
+        self, mean: torch.Tensor, var: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         mean, var = mean.to(self._dtype), var.to(self._dtype)
         if not self.enable_backprop:
             return mean.detach(), var.detach()
         return mean, var
+
+    def _glm_predictive_distribution(
+        self, x: torch.Tensor, joint: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        f, Js = self._predictive_pieces(x)
+        if joint:
+            return self._as_output(f.flatten(), self.functional_covariance(Js))
+        return self._as_output(f, self.functional_variance(Js))
 
     def __call__(
         self,

@@ -1,0 +1,356 @@
+"""Bayesian optimisation: ContextBoTorch beside SingleTaskGP and LaplaceBoTorch.
+
+BoTorch's Branin (2-D), Hartmann (6-D) and Ackley (10-D), negated (maximised), in
+the unit cube (each function's box mapped linearly); per seed a scrambled Sobol
+design of ``--initial`` points, shared by every method, then ``--iterations`` steps
+of log expected improvement (``LogExpectedImprovement``, ``best_f`` the best
+observation so far), ``optimize_acqf`` with ``q = 1``, ``--restarts`` restarts
+from ``--raw-samples`` raw samples (the same for every method). Noise-free
+observations. Each method's surrogate:
+
+* ``SingleTaskGP``: BoTorch's standard (``Standardize`` outcomes, its default
+  priors, ``fit_gpytorch_mll``), refitted on all data every iteration;
+* ``LaplaceBoTorch``: laplace-bayesopt at its defaults (KFAC, its default backend
+  ``CurvlinopsGGN``, 1000 epochs, post-hoc evidence tuning); every new observation
+  retrains the network from scratch (its ``condition_on_observations``);
+* ``LaplaceBoTorch + DiffBackPackGGN``: the same with this package's backend;
+* ``ContextBoTorch``: this package, ``--locations`` context locations, random
+  (uniform in the cube) or optimised (the Nyström gap on the data and a Sobol
+  sample of the cube), with retraining (network, locations, δ and σ every
+  ``--retrain-every`` observations) or without (the network of the initial
+  design; every observation a dual update).
+
+Every neural surrogate uses the same network ``d-50-50-1`` (tanh) and
+laplace-bayesopt's training settings (Adam lr 0.1, weight decay 1e-3, cosine
+schedule, batch 10, 1000 epochs). One task (function, method, seed) per worker
+process with one thread. Measured per iteration: the surrogate's fit or update
+(``fit_s``) and the acquisition's optimisation (``acq_s``), process CPU seconds
+(a stand-in for wall time on a quiet core; the machine is shared).
+
+Usage::
+
+    python benchmarks/bayesopt.py                      # the full run, results/bayesopt
+    python benchmarks/bayesopt.py --quick --out DIR    # seconds; exercised by a test
+    python benchmarks/bayesopt.py --report-only --out benchmarks/results/bayesopt
+
+Writes ``DIR/raw/<function>_<method>_<seed>.json`` as tasks finish (``--resume``
+keeps them), then ``DIR/BAYESOPT.md``, ``DIR/bayesopt.json`` and
+``DIR/regret_<function>.png`` plus ``DIR/regret.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import pathlib
+import platform
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "bayesopt"
+
+FUNCTIONS = ("branin", "hartmann", "ackley")
+METHODS = (
+    "SingleTaskGP",
+    "LaplaceBoTorch",
+    "LaplaceBoTorch+DiffBackPackGGN",
+    "Context(random)",
+    "Context(optimised)",
+    "Context(random,no-retrain)",
+    "Context(optimised,no-retrain)",
+)
+#: laplace-bayesopt retrains its network for every observation; see ``--laplace-seeds``.
+RETRAINING_METHODS = ("LaplaceBoTorch", "LaplaceBoTorch+DiffBackPackGGN")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One run's settings (recorded in the results)."""
+
+    functions: tuple[str, ...] = FUNCTIONS
+    methods: tuple[str, ...] = METHODS
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    laplace_seeds: int = 2
+    initial: int = 10
+    iterations: int = 50
+    restarts: int = 5
+    raw_samples: int = 256
+    epochs: int = 1000
+    width: int = 50
+    locations: int = 100
+    location_steps: int = 100
+    retrain_every: int = 10
+    marglik_iters: int = 100
+
+
+QUICK = Config(
+    functions=("branin",),
+    seeds=(0,),
+    laplace_seeds=1,
+    initial=4,
+    iterations=3,
+    restarts=2,
+    raw_samples=16,
+    epochs=20,
+    width=8,
+    locations=8,
+    location_steps=3,
+    retrain_every=2,
+    marglik_iters=5,
+)
+
+
+def _problem(name: str):
+    from botorch.test_functions import Ackley, Branin, Hartmann
+
+    make = {
+        "branin": lambda: Branin(negate=True),
+        "hartmann": lambda: Hartmann(dim=6, negate=True),
+        "ackley": lambda: Ackley(dim=10, negate=True),
+    }[name]
+    return make().to(torch.float64)
+
+
+def _objective(problem) -> Callable[[torch.Tensor], torch.Tensor]:
+    lo, hi = problem.bounds
+
+    def evaluate(x_unit: torch.Tensor) -> torch.Tensor:
+        return problem(lo + (hi - lo) * x_unit).unsqueeze(-1)
+
+    return evaluate
+
+
+def _net_factory(dim: int, width: int) -> Callable[[], nn.Module]:
+    def get_net() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(dim, width),
+            nn.Tanh(),
+            nn.Linear(width, width),
+            nn.Tanh(),
+            nn.Linear(width, 1),
+        ).double()
+
+    return get_net
+
+
+class _GP:
+    """``SingleTaskGP`` refitted on all data: BoTorch's standard loop."""
+
+    def __init__(self, X: torch.Tensor, Y: torch.Tensor) -> None:
+        from botorch.fit import fit_gpytorch_mll
+        from botorch.models import SingleTaskGP
+        from botorch.models.transforms.outcome import Standardize
+        from gpytorch.mlls import ExactMarginalLogLikelihood
+
+        self.X, self.Y = X, Y
+        self.model = SingleTaskGP(X, Y, outcome_transform=Standardize(m=1))
+        fit_gpytorch_mll(ExactMarginalLogLikelihood(self.model.likelihood, self.model))
+
+    def condition(self, x: torch.Tensor, y: torch.Tensor) -> _GP:
+        return _GP(torch.cat([self.X, x]), torch.cat([self.Y, y]))
+
+
+class _Conditioned:
+    """A BoTorch model whose ``condition_on_observations`` is the method's update."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def condition(self, x: torch.Tensor, y: torch.Tensor) -> _Conditioned:
+        return _Conditioned(self.model.condition_on_observations(x, y))
+
+
+def _surrogate(method: str, X: torch.Tensor, Y: torch.Tensor, cfg: Config, seed: int):
+    from botorch.models.transforms.outcome import Standardize
+
+    get_net = _net_factory(X.shape[-1], cfg.width)
+    if method == "SingleTaskGP":
+        return _GP(X, Y)
+    if method.startswith("LaplaceBoTorch"):
+        from laplace_bayesopt.botorch import LaplaceBoTorch
+
+        extra: dict[str, Any] = {}
+        if method.endswith("DiffBackPackGGN"):
+            from laplace_diffjac import DiffBackPackGGN
+
+            extra["backend"] = DiffBackPackGGN
+        model = LaplaceBoTorch(
+            get_net, X, Y, outcome_transform=Standardize(m=1), n_epochs=cfg.epochs,
+            posthoc_marglik_iters=cfg.marglik_iters, **extra,
+        )  # fmt: skip
+        return _Conditioned(model)
+    from laplace_diffjac.bayesopt import ContextBoTorch, RetrainSchedule
+
+    retrain = None if "no-retrain" in method else cfg.retrain_every
+    model = ContextBoTorch(
+        get_net,
+        X,
+        Y,
+        outcome_transform=Standardize(m=1),
+        n_epochs=cfg.epochs,
+        n_locations=cfg.locations,
+        locations="optimised" if "optimised" in method else "random",
+        bounds=torch.stack([torch.zeros(X.shape[-1]), torch.ones(X.shape[-1])]).to(X),
+        retrain=RetrainSchedule(every=retrain),
+        location_steps=cfg.location_steps,
+        posthoc_marglik_iters=cfg.marglik_iters,
+        seed=seed,
+    )
+    return _Conditioned(model)
+
+
+def _acquire(model, best: torch.Tensor, dim: int, cfg: Config) -> torch.Tensor:
+    from botorch.acquisition import LogExpectedImprovement
+    from botorch.optim import optimize_acqf
+
+    bounds = torch.stack([torch.zeros(dim), torch.ones(dim)]).double()
+    acqf = LogExpectedImprovement(model, best_f=best)
+    candidate, _ = optimize_acqf(
+        acqf, bounds, q=1, num_restarts=cfg.restarts, raw_samples=cfg.raw_samples
+    )
+    return candidate.detach()
+
+
+def run_task(function: str, method: str, seed: int, cfg: Config) -> dict:
+    """One BO run; returns its record (JSON-serialisable)."""
+    from botorch.utils.sampling import draw_sobol_samples
+
+    torch.set_num_threads(1)
+    problem = _problem(function)
+    evaluate = _objective(problem)
+    dim = problem.dim
+    unit = torch.stack([torch.zeros(dim), torch.ones(dim)]).double()
+    X = draw_sobol_samples(unit, n=cfg.initial, q=1, seed=seed).squeeze(1)
+    Y = evaluate(X)
+    torch.manual_seed(seed)
+    start, cpu0 = time.perf_counter(), time.process_time()
+    fit_s, acq_s = [], []
+    t = time.process_time()
+    surrogate = _surrogate(method, X, Y, cfg, seed)
+    fit_s.append(time.process_time() - t)
+    best = [float(Y.max())]
+    for _ in range(cfg.iterations):
+        t = time.process_time()
+        x = _acquire(surrogate.model, Y.max(), dim, cfg)
+        acq_s.append(time.process_time() - t)
+        y = evaluate(x)
+        X, Y = torch.cat([X, x]), torch.cat([Y, y])
+        best.append(float(Y.max()))
+        t = time.process_time()
+        surrogate = surrogate.condition(x, y)
+        fit_s.append(time.process_time() - t)
+    optimum = float(problem.optimal_value)
+    return {
+        "function": function,
+        "method": method,
+        "seed": seed,
+        "optimum": optimum,
+        "best": best,
+        "regret": [optimum - b for b in best],
+        "fit_s": fit_s,
+        "acq_s": acq_s,
+        "wall_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu0,
+    }
+
+
+def tasks(cfg: Config) -> list[tuple[str, str, int]]:
+    """(function, method, seed) in run order: every method's first seed first."""
+    out = []
+    for seed_index, seed in enumerate(cfg.seeds):
+        for function in cfg.functions:
+            for method in cfg.methods:
+                if method in RETRAINING_METHODS and seed_index >= cfg.laplace_seeds:
+                    continue
+                out.append((function, method, seed))
+    return out
+
+
+def _raw_path(out: pathlib.Path, task: tuple[str, str, int]) -> pathlib.Path:
+    function, method, seed = task
+    safe = method.replace("+", "_").replace("(", "_").replace(")", "").replace(",", "_")
+    return out / "raw" / f"{function}_{safe}_{seed}.json"
+
+
+def _worker(args: tuple[tuple[str, str, int], Config, str]) -> str:
+    task, cfg, out = args
+    # BoTorch's optimiser reports its restarts (OptimizationWarning) and laplace-torch
+    # casts a tensor with a gradient to float in KFAC (LaplaceBoTorch): recorded in
+    # the report, not hidden.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record = run_task(*task, cfg)
+    record["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+    path = _raw_path(pathlib.Path(out), task)
+    path.write_text(json.dumps(record))
+    print(f"{time.strftime('%H:%M:%S')} done {task} in {record['wall_s']:.0f} s",
+          flush=True)  # fmt: skip
+    return str(path)
+
+
+def run(cfg: Config, out: pathlib.Path, workers: int, resume: bool) -> None:
+    """Run every task not yet in ``out/raw`` (with ``resume``) and report."""
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    todo = [t for t in tasks(cfg) if not (resume and _raw_path(out, t).exists())]
+    started = time.time()
+    jobs = [(t, cfg, str(out)) for t in todo]
+    if workers == 1:
+        for job in jobs:
+            _worker(job)
+    else:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            list(pool.imap_unordered(_worker, jobs))
+    run_info = {
+        "command": " ".join(["python", "benchmarks/bayesopt.py", *sys.argv[1:]]),
+        "start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
+        "wall_s": time.time() - started,
+        "workers": workers,
+        "tasks_run": len(todo),
+        "platform": platform.platform(),
+        "config": asdict(cfg),
+    }
+    # Every invocation into one output folder is kept (``--resume`` adds tasks).
+    path = out / "run.json"
+    runs = json.loads(path.read_text())["runs"] if resume and path.exists() else []
+    path.write_text(json.dumps({"runs": [*runs, run_info]}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--functions", nargs="+", choices=FUNCTIONS)
+    parser.add_argument("--methods", nargs="+", choices=METHODS)
+    parser.add_argument("--seeds", nargs="+", type=int)
+    counts = ("laplace_seeds", "initial", "iterations", "restarts", "raw_samples",
+              "epochs", "locations", "location_steps", "retrain_every")  # fmt: skip
+    for field in counts:
+        parser.add_argument("--" + field.replace("_", "-"), type=int)
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else Config()
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    for key in ("functions", "methods", "seeds"):
+        if key in given:
+            given[key] = tuple(given[key])
+    cfg = replace(cfg, **{k: v for k, v in given.items() if k in asdict(cfg)})
+    if not args.report_only:
+        run(cfg, args.out, args.workers, args.resume)
+    from bayesopt_report import write_report  # benchmarks/ is on sys.path
+
+    write_report(args.out, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Report of ``benchmarks/bayesopt.py``: tables, the criterion check, regret curves."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import statistics
+from collections import defaultdict
+from typing import Any
+
+REFERENCE = "LaplaceBoTorch"
+
+
+def load(out: pathlib.Path) -> list[dict]:
+    """Every finished task's record under ``out/raw``."""
+    return [json.loads(p.read_text()) for p in sorted((out / "raw").glob("*.json"))]
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    return mean, statistics.stdev(values) / math.sqrt(len(values))
+
+
+def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per function and method: final regret, per-iteration seconds, seeds."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[r["function"], r["method"]].append(r)
+    table: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for (function, method), rs in sorted(groups.items()):
+        final = [r["regret"][-1] for r in rs]
+        fit = [statistics.fmean(r["fit_s"][1:] or r["fit_s"]) for r in rs]
+        acq = [statistics.fmean(r["acq_s"]) for r in rs]
+        mean, se = _mean_se(final)
+        table[function][method] = {
+            "seeds": sorted(r["seed"] for r in rs),
+            "final_regret_mean": mean,
+            "final_regret_se": se,
+            "initial_fit_s": statistics.fmean(r["fit_s"][0] for r in rs),
+            "fit_s_per_iteration": statistics.fmean(fit),
+            "acq_s_per_iteration": statistics.fmean(acq),
+            "s_per_iteration": statistics.fmean(fit) + statistics.fmean(acq),
+            "curve_mean": [
+                statistics.fmean(c) for c in zip(*(r["regret"] for r in rs))
+            ],
+            "curve_se": [_mean_se(list(c))[1] for c in zip(*(r["regret"] for r in rs))],
+            "warnings": sorted({w for r in rs for w in r.get("warnings", [])}),
+        }
+    return table
+
+
+def criterion(table: dict) -> list[dict]:
+    """Each ContextBoTorch variant against LaplaceBoTorch (the issue's criterion)."""
+    rows = []
+    methods = sorted(
+        {m for per in table.values() for m in per if m.startswith("Context")}
+    )
+    for method in methods:
+        cells = []
+        for function, per in table.items():
+            if method not in per or REFERENCE not in per:
+                continue
+            ours, ref = per[method], per[REFERENCE]
+            cells.append(
+                {
+                    "function": function,
+                    "regret_no_worse": ours["final_regret_mean"]
+                    <= ref["final_regret_mean"],
+                    "time_ratio": ours["s_per_iteration"] / ref["s_per_iteration"],
+                }
+            )
+        no_worse = sum(c["regret_no_worse"] for c in cells)
+        fast = all(c["time_ratio"] <= 0.2 for c in cells)
+        rows.append(
+            {
+                "method": method,
+                "cells": cells,
+                "no_worse_on": no_worse,
+                "functions": len(cells),
+                "met": bool(cells) and no_worse >= min(2, len(cells)) and fast,
+            }
+        )
+    return rows
+
+
+def _fmt(x: float) -> str:
+    if math.isnan(x):
+        return "–"
+    return f"{x:.3g}"
+
+
+def markdown(table: dict, rows: list[dict], run: dict) -> str:
+    """The Markdown report."""
+    lines = ["# Bayesian optimisation", ""]
+    for r in run.get("runs", []):
+        lines.append(
+            f"* `{r['command']}`: started {r['start']} UTC, {r['tasks_run']} tasks, "
+            f"{r['wall_s'] / 60:.1f} min wall, {r['workers']} worker process(es) of "
+            "one thread"
+        )
+    lines += ["", "Settings: `run.json` and `benchmarks/bayesopt.py`.", ""]
+    lines += [
+        "Simple regret after the last iteration (optimum minus the best value "
+        "observed), mean ± standard error over seeds; seconds per iteration are "
+        "process CPU seconds, the mean over iterations: the surrogate's fit or "
+        "update, and the acquisition's optimisation.",
+        "",
+        "| function | method | seeds | final regret | fit/update s | acquisition s "
+        "| s per iteration | × LaplaceBoTorch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for function, per in table.items():
+        ref = per.get(REFERENCE)
+        for method, a in per.items():
+            ratio = a["s_per_iteration"] / ref["s_per_iteration"] if ref else math.nan
+            lines.append(
+                f"| {function} | {method} | {len(a['seeds'])} | "
+                f"{_fmt(a['final_regret_mean'])} ± {_fmt(a['final_regret_se'])} | "
+                f"{_fmt(a['fit_s_per_iteration'])} | {_fmt(a['acq_s_per_iteration'])} "
+                f"| {_fmt(a['s_per_iteration'])} | {_fmt(ratio)} |"
+            )
+    lines += ["", "## Criterion", "",
+              "ContextBoTorch's mean final regret no worse than LaplaceBoTorch's on at "
+              "least two of the three functions, at a fifth or less of its time per "
+              "iteration (every function):", ""]  # fmt: skip
+    for row in rows:
+        cells = ", ".join(
+            f"{c['function']}: {'no worse' if c['regret_no_worse'] else 'worse'}, "
+            f"{c['time_ratio']:.2f}× time"
+            for c in row["cells"]
+        )
+        verdict = "**met**" if row["met"] else "**not met**"
+        lines.append(f"* {row['method']}: {verdict} ({cells})")
+    warned = {(f, m): a["warnings"] for f, per in table.items() for m, a in per.items()}
+    notes = sorted({w for ws in warned.values() for w in ws})
+    if notes:
+        lines += ["", "## Warnings raised during the runs", ""]
+        lines += [f"* {w[:200]}" for w in notes]
+    lines += ["", "![simple regret](regret.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(table: dict, out: pathlib.Path) -> None:
+    """``regret.png`` (all functions) and ``regret_<function>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    functions = list(table)
+    fig, axes = plt.subplots(1, len(functions), figsize=(5 * len(functions), 4))
+    axes = [axes] if len(functions) == 1 else list(axes)
+    for ax, function in zip(axes, functions):
+        _panel(ax, function, table[function])
+        single, single_ax = plt.subplots(figsize=(5.5, 4))
+        _panel(single_ax, function, table[function])
+        single_ax.legend(fontsize=7)
+        single.tight_layout()
+        single.savefig(out / f"regret_{function}.png", dpi=110)
+        plt.close(single)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "regret.png", dpi=110)
+    plt.close(fig)
+
+
+def _panel(ax, function: str, per: dict) -> None:
+    for method, a in per.items():
+        mean = [max(m, 1e-12) for m in a["curve_mean"]]
+        se = [0.0 if math.isnan(s) else s for s in a["curve_se"]]
+        steps = range(len(mean))
+        ax.plot(steps, mean, label=f"{method} ({len(a['seeds'])})")
+        lower = [max(m - s, 1e-12) for m, s in zip(mean, se)]
+        ax.fill_between(steps, lower, [m + s for m, s in zip(mean, se)], alpha=0.15)
+    ax.set_yscale("log")
+    ax.set_title(function)
+    ax.set_xlabel("iteration (0 = initial design)")
+    ax.set_ylabel("simple regret (mean ± s.e.)")
+
+
+def write_report(out: pathlib.Path, cfg: Any) -> None:
+    """Write ``BAYESOPT.md``, ``bayesopt.json`` and the PNGs into ``out``."""
+    records = load(out)
+    table = aggregate(records)
+    rows = criterion(table)
+    run_path = out / "run.json"
+    run = json.loads(run_path.read_text()) if run_path.exists() else {}
+    (out / "BAYESOPT.md").write_text(markdown(table, rows, run))
+    (out / "bayesopt.json").write_text(
+        json.dumps({"table": table, "criterion": rows, "run": run}, indent=1)
+    )
+    plot(table, out)

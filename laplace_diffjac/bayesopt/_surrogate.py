@@ -1,0 +1,218 @@
+"""The pieces of a retraining: the network, the locations, the tuned posterior.
+
+The network is trained as laplace-bayesopt's ``LaplaceBoTorch`` trains it (Adam
+with weight decay, cosine learning-rate schedule over all steps, mean squared
+error, shuffled minibatches), so that the two surrogates see comparable networks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ..backends import BackendSpec
+from ..context import ContextPosterior, optimize_locations
+from ..errors import InvalidInputError
+
+__all__ = ["SurrogateSettings", "choose_locations", "fit_posterior", "train_network"]
+
+LOCATION_KINDS = ("random", "optimised")
+
+
+@dataclass(frozen=True)
+class SurrogateSettings:
+    """Everything a retraining needs besides the data (given once, kept on update).
+
+    Attributes are the keywords of :class:`~laplace_diffjac.bayesopt.ContextBoTorch`
+    of the same names (documented there).
+    """
+
+    get_net: Callable[[], nn.Module]
+    noise_var: float | None
+    n_epochs: int
+    lr: float
+    wd: float
+    batch_size: int
+    n_locations: int
+    locations: str
+    bounds: torch.Tensor | None
+    location_steps: int
+    n_domain: int
+    posthoc_marglik_iters: int
+    backend: BackendSpec
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.locations not in LOCATION_KINDS:
+            raise InvalidInputError(
+                f"locations must be 'random' or 'optimised', got {self.locations!r}."
+            )
+        for name in ("n_epochs", "batch_size", "n_locations", "n_domain"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInputError(
+                    f"{name} must be a positive int, got {value!r}."
+                )
+        for name in ("location_steps", "posthoc_marglik_iters"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}.")
+        if self.noise_var is not None and not (
+            math.isfinite(self.noise_var) and self.noise_var > 0
+        ):
+            raise InvalidInputError(
+                f"noise_var must be a positive number or None (learned by the "
+                f"evidence), got {self.noise_var!r}."
+            )
+
+
+def train_network(
+    s: SurrogateSettings, X: torch.Tensor, Y: torch.Tensor, generator: torch.Generator
+) -> nn.Module:
+    """A fresh ``s.get_net()`` trained on ``(X, Y)``, in eval mode.
+
+    Parameters
+    ----------
+    s : SurrogateSettings
+        Training settings.
+    X : torch.Tensor
+        ``(N, d)`` transformed inputs.
+    Y : torch.Tensor
+        ``(N, K)`` transformed targets.
+    generator : torch.Generator
+        Shuffles the minibatches (the network's initialisation uses PyTorch's
+        global generator, as laplace-bayesopt's).
+
+    Returns
+    -------
+    torch.nn.Module
+
+    Raises
+    ------
+    InvalidInputError
+        If the network's parameters are not in the data's dtype and on its device,
+        or its output has another number of columns than ``Y``.
+
+    """
+    net = s.get_net()
+    param = next(iter(net.parameters()))
+    if param.dtype != X.dtype or param.device != X.device:
+        raise InvalidInputError(
+            f"get_net() returns a network in {param.dtype} on {param.device}, the "
+            f"observations are {X.dtype} on {X.device}; return the network in the "
+            "observations' dtype and device (BoTorch works in float64: .double())."
+        )
+    loader = DataLoader(
+        TensorDataset(X, Y), batch_size=s.batch_size, shuffle=True, generator=generator
+    )
+    optimizer = torch.optim.Adam(net.parameters(), lr=s.lr, weight_decay=s.wd)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, s.n_epochs * len(loader)
+    )
+    loss_fn = nn.MSELoss()
+    net.train()
+    for _ in range(s.n_epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(net(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+    net.eval()
+    for p in net.parameters():
+        p.grad = None
+    with torch.no_grad():
+        if net(X[:1]).shape[-1] != Y.shape[-1]:
+            raise InvalidInputError(
+                f"get_net()'s network has {net(X[:1]).shape[-1]} outputs, the "
+                f"observations {Y.shape[-1]} columns; they must agree."
+            )
+    return net
+
+
+def _box(s: SurrogateSettings, X: torch.Tensor) -> torch.Tensor:
+    """``(2, d)`` lower and upper bounds of the locations' domain."""
+    if s.bounds is not None:
+        return s.bounds.to(X)
+    return torch.stack([X.min(0).values, X.max(0).values])
+
+
+def choose_locations(
+    s: SurrogateSettings, net: nn.Module, X: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """``(M, d)`` context locations for the trained network.
+
+    ``'random'``: uniform in the bounds. ``'optimised'``: those, moved by
+    ``optimize_locations`` (the Nyström gap, ``s.location_steps`` steps) on the
+    observations together with ``s.n_domain`` uniform points of the bounds, so
+    that the locations serve the whole domain where later observations and the
+    acquisition's queries fall, not only the observations so far. The gap's
+    minimiser does not depend on a scalar ``δ`` or ``σ`` (they scale it), so
+    it runs before the hyperparameters are tuned.
+
+    Returns
+    -------
+    torch.Tensor
+
+    """
+    lo, hi = _box(s, X)
+    d = X.shape[-1]
+    uniform = torch.rand(s.n_locations, d, generator=generator, dtype=X.dtype)
+    Z = lo + (hi - lo) * uniform.to(X.device)
+    if s.locations == "random" or s.location_steps == 0:
+        return Z
+    domain = torch.rand(s.n_domain, d, generator=generator, dtype=X.dtype)
+    data = torch.cat([X, lo + (hi - lo) * domain.to(X.device)])
+    result = optimize_locations(
+        net,
+        "regression",
+        data,
+        s.n_locations,
+        init=Z,
+        backend=s.backend,
+        steps=s.location_steps,
+        progress_bar=False,
+        seed=s.seed,
+    )
+    return torch.minimum(torch.maximum(result.locations, lo), hi)
+
+
+def fit_posterior(
+    s: SurrogateSettings,
+    net: nn.Module,
+    Z: torch.Tensor,
+    X: torch.Tensor,
+    Y: torch.Tensor,
+) -> ContextPosterior:
+    """The context posterior with the dual mean on ``(X, Y)``, ``δ``/``σ`` tuned.
+
+    ``δ`` and (with ``noise_var=None``) ``σ`` maximise the evidence bound (Adam,
+    ``s.posthoc_marglik_iters`` steps, as laplace-bayesopt's post-hoc tuning).
+
+    Returns
+    -------
+    ContextPosterior
+
+    """
+    sigma = 1.0 if s.noise_var is None else math.sqrt(s.noise_var)
+    posterior = ContextPosterior(
+        net,
+        "regression",
+        Z,
+        sigma_noise=sigma,
+        backend=s.backend,
+        enable_backprop=True,
+        predictive_mean="dual",
+    ).fit((X, Y))
+    if s.posthoc_marglik_iters > 0:
+        posterior.optimize_prior_precision(
+            method="marglik",
+            n_steps=s.posthoc_marglik_iters,
+            learn_sigma_noise=s.noise_var is None,
+        )
+    return posterior

@@ -1,0 +1,241 @@
+"""``ContextBoTorch`` against a dense linearised GP and BoTorch's conventions.
+
+The reference is the DTC posterior of the linearised network written out densely
+in float64 from per-sample autograd Jacobians (``tests.references``): prior mean
+``f*(x) − J(x) θ*``, kernel ``J Jᵀ / δ``, Gaussian sites ``y`` with variance ``σ²``.
+The posterior is a difference of prior terms (``K** − …``, ``m(x) + …``) that
+cancel to a few per cent of their size here (``K_ZZ``'s condition number is about
+``10⁷``), so either side's rounding is measured against the prior terms' scale
+(``max |K**|``, ``max |m|``), not the posterior's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from laplace_diffjac.errors import InvalidInputError
+from tests.references import loop_jacobians
+
+botorch = pytest.importorskip("botorch")
+
+from botorch.acquisition import (  # noqa: E402
+    LogExpectedImprovement,
+    qLogExpectedImprovement,
+)
+from botorch.models.transforms.outcome import Standardize  # noqa: E402
+from botorch.optim import optimize_acqf  # noqa: E402
+from gpytorch.distributions import MultitaskMultivariateNormal  # noqa: E402
+
+from laplace_diffjac.bayesopt import ContextBoTorch, RetrainSchedule  # noqa: E402
+
+D = 2
+BOUNDS = torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+
+
+def _factory(outputs: int = 1):
+    def get_net() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(D, 8),
+            nn.Tanh(),
+            nn.Linear(8, 8),
+            nn.Tanh(),
+            nn.Linear(8, outputs),
+        ).double()
+
+    return get_net
+
+
+def _objective(x: torch.Tensor, outputs: int = 1) -> torch.Tensor:
+    y = torch.sin(3 * x[:, :1]) + torch.cos(2 * x[:, 1:])
+    return torch.cat([y, y * x[:, :1]], dim=1)[:, :outputs]
+
+
+def _data(n: int, seed: int, outputs: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    X = torch.rand(n, D, generator=torch.Generator().manual_seed(seed)).double()
+    return X, _objective(X, outputs)
+
+
+def _model(locations: str = "random", outputs: int = 1, **options) -> ContextBoTorch:
+    X, Y = _data(8, 0, outputs)
+    torch.manual_seed(0)
+    settings = dict(
+        n_epochs=30, n_locations=5, locations=locations, bounds=BOUNDS,
+        location_steps=3, n_domain=32, posthoc_marglik_iters=20,
+        retrain=RetrainSchedule(every=None),
+    )  # fmt: skip
+    settings.update(options)
+    return ContextBoTorch(_factory(outputs), X, Y, **settings)
+
+
+def _dense_gp(model: ContextBoTorch, x_star: torch.Tensor):
+    """Mean ``(B*, K)`` and joint covariance ``(B* K, B* K)`` of the dense DTC GP."""
+    post = model.context_posterior
+    net, Z = model.net, post.locations
+    delta = float(post.prior_precision)
+    beta = 1.0 / float(post.sigma_noise) ** 2
+    theta = torch.cat([p.detach().flatten() for p in net.parameters()])
+    J_x, f_x = loop_jacobians(net, model.train_X)
+    J_s, f_s = loop_jacobians(net, x_star)
+    J_z, _ = loop_jacobians(net, Z)
+    J_x, J_s, J_z = (j.detach().reshape(-1, theta.numel()) for j in (J_x, J_s, J_z))
+    prior_x = f_x.detach().flatten() - J_x @ theta
+    prior_s = f_s.detach().flatten() - J_s @ theta
+    K_zz = J_z @ J_z.T / delta
+    K_zz = K_zz + post.jitter * K_zz.diagonal().mean() * torch.eye(len(K_zz))
+    K_zx, K_sz, K_ss = J_z @ J_x.T / delta, J_s @ J_z.T / delta, J_s @ J_s.T / delta
+    A = K_zz + beta * K_zx @ K_zx.T
+    residual = model.train_Y.flatten() - prior_x
+    mean = prior_s + K_sz @ torch.linalg.solve(A, beta * K_zx @ residual)
+    middle = torch.linalg.inv(K_zz) - torch.linalg.inv(A)
+    cov = K_ss - K_sz @ middle @ K_sz.T
+    _SCALES.update(mean=float(prior_s.abs().max()), cov=float(K_ss.abs().max()))
+    return mean.reshape(len(x_star), -1), cov
+
+
+_SCALES: dict[str, float] = {}  # of the last reference: its prior terms' sizes
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, scale: str, rtol: float = 1e-8) -> None:
+    """``max |a − b| < rtol · scale`` (``scale``: the prior term's size)."""
+    size = max(_SCALES[scale], float(b.abs().max()))
+    assert (a.detach() - b).abs().max() < rtol * size
+
+
+@pytest.mark.parametrize("locations", ["random", "optimised"])
+def test_dual_update_equals_dense_linearised_gp(locations):
+    model = _model(locations)
+    x_new, y_new = _data(3, 5)
+    updated = model.condition_on_observations(x_new, y_new)
+    assert updated.trainings == 1 and updated.observations_since_training == 3
+    x_star = _data(4, 9)[0]
+    post = updated.posterior(x_star)  # one q-batch of 4: joint
+    mean, cov = _dense_gp(updated, x_star)
+    _close(post.mean.squeeze(-1), mean.squeeze(-1), "mean")
+    _close(post.distribution.covariance_matrix, cov, "cov")
+
+
+def test_conditioning_leaves_the_model_as_it_was():
+    model = _model()
+    x_star = _data(4, 9)[0]
+    before = model.posterior(x_star)
+    mean, cov = before.mean.detach(), before.distribution.covariance_matrix.detach()
+    model.condition_on_observations(*_data(3, 5))
+    after = model.posterior(x_star)
+    assert torch.equal(after.mean.detach(), mean)
+    assert torch.equal(after.distribution.covariance_matrix.detach(), cov)
+    assert model.train_X.shape[0] == 8 and model.orig_train_X.shape[0] == 8
+
+
+@pytest.mark.parametrize("outputs", [1, 2])
+@pytest.mark.parametrize("batch", [(), (3,), (2, 3)])
+def test_batch_shapes_and_joint_covariance(batch, outputs):
+    model = _model(outputs=outputs)
+    q = 4
+    X = torch.rand(*batch, q, D, generator=torch.Generator().manual_seed(2)).double()
+    post = model.posterior(X)
+    assert post.mean.shape == (*batch, q, outputs)
+    assert post.variance.shape == (*batch, q, outputs)
+    cov = post.distribution.covariance_matrix
+    assert cov.shape == (*batch, q * outputs, q * outputs)
+    if outputs > 1:
+        assert isinstance(post.distribution, MultitaskMultivariateNormal)
+    flat = X.reshape(-1, q, D)
+    for i in range(flat.shape[0]):  # each q-batch is its own joint GP
+        mean, joint = _dense_gp(model, flat[i])
+        _close(post.mean.reshape(-1, q, outputs)[i], mean, "mean")
+        _close(cov.reshape(-1, q * outputs, q * outputs)[i], joint, "cov")
+
+
+def test_outcome_transform_untransforms_mean_and_covariance():
+    X, Y = _data(8, 0)
+    kwargs = dict(
+        n_epochs=30, n_locations=5, locations="random", bounds=BOUNDS,
+        posthoc_marglik_iters=20,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = ContextBoTorch(
+        _factory(), X, Y * 10 + 3, outcome_transform=Standardize(m=1), **kwargs
+    )
+    x_star = _data(4, 9)[0]
+    mean, cov = _dense_gp(model, x_star)  # in the standardised space
+    std, mu = (Y * 10 + 3).std(), (Y * 10 + 3).mean()
+    post = model.posterior(x_star)
+    _close(post.mean.squeeze(-1), mean.squeeze(-1) * std + mu, "mean")
+    _close(post.distribution.covariance_matrix, cov * std**2, "cov")
+
+
+def test_observation_noise_and_output_indices():
+    model = _model(outputs=2)
+    x_star = _data(3, 9)[0]
+    plain = model.posterior(x_star).distribution.covariance_matrix.detach()
+    noisy = model.posterior(x_star, observation_noise=True)
+    sigma2 = float(model.context_posterior.sigma_noise) ** 2
+    exact = dict(rtol=1e-12, atol=1e-14)  # the same products, selected or shifted
+    noisy_cov = noisy.distribution.covariance_matrix.detach()
+    torch.testing.assert_close(
+        noisy_cov, plain + sigma2 * torch.eye(6, dtype=torch.float64), **exact
+    )
+    second = model.posterior(x_star, output_indices=[1])
+    both = model.posterior(x_star).mean.detach()
+    torch.testing.assert_close(second.mean.detach().squeeze(-1), both[:, 1], **exact)
+    second_cov = second.distribution.covariance_matrix.detach()
+    torch.testing.assert_close(second_cov, plain[1::2, 1::2], **exact)
+    assert model.num_outputs == 2 and model.batch_shape == torch.Size([])
+
+
+def test_gradients_in_X_against_finite_differences():
+    model = _model(outputs=2)
+    X = torch.rand(2, 3, D, generator=torch.Generator().manual_seed(4)).double()
+
+    def moments(x):
+        post = model.posterior(x)
+        return post.mean, post.distribution.covariance_matrix
+
+    assert torch.autograd.gradcheck(moments, (X.requires_grad_(),), atol=1e-6)
+
+
+def test_optimize_acqf_loop_with_analytic_and_monte_carlo_acquisitions():
+    model = _model(outcome_transform=Standardize(m=1), retrain=RetrainSchedule(every=2))
+    X, Y = model.orig_train_X, model.orig_train_Y
+    for q in [1, 2, 1]:
+        if q == 1:
+            acqf = LogExpectedImprovement(model, best_f=Y.max())
+        else:
+            acqf = qLogExpectedImprovement(model, best_f=Y.max())
+        x, value = optimize_acqf(acqf, BOUNDS, q=q, num_restarts=2, raw_samples=16)
+        assert x.shape == (q, D) and torch.isfinite(value).all()
+        y = _objective(x)
+        X, Y = torch.cat([X, x]), torch.cat([Y, y])
+        model = model.condition_on_observations(x, y)
+    assert model.orig_train_X.shape[0] == 12
+    assert model.trainings == 2  # retrained once: 1 + 2 new observations >= 2
+
+
+def test_retraining_on_evidence_drop():
+    model = _model(retrain=RetrainSchedule(every=None, evidence_drop=0.5))
+    x_far = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    quiet = model.condition_on_observations(x_far, _objective(x_far))
+    assert quiet.trainings == 1
+    outlier = model.condition_on_observations(x_far, torch.tensor([[40.0]]).double())
+    assert outlier.trainings == 2 and outlier.observations_since_training == 0
+
+
+def test_bad_input_is_refused_with_the_fix():
+    X, Y = _data(8, 0)
+    with pytest.raises(InvalidInputError, match="observations"):
+        ContextBoTorch(_factory(), X, Y.squeeze(-1), n_epochs=1)
+    with pytest.raises(InvalidInputError, match="double"):
+        ContextBoTorch(lambda: _factory()().float(), X, Y, n_epochs=1)
+    with pytest.raises(InvalidInputError, match="device"):
+        ContextBoTorch(_factory(), X, Y, n_epochs=1, device="meta")
+    with pytest.raises(InvalidInputError, match="locations"):
+        ContextBoTorch(_factory(), X, Y, n_epochs=1, locations="kmeans")
+    with pytest.raises(InvalidInputError, match="every"):
+        RetrainSchedule(every=0)
+    model = _model()
+    with pytest.raises(NotImplementedError, match="fantas"):
+        model.condition_on_observations(X[None, :2], Y[None, :2])
+    with pytest.raises(InvalidInputError, match="match"):
+        model.condition_on_observations(torch.rand(2, 3).double(), Y[:2])
