@@ -1,0 +1,51 @@
+"""benchmarks/bayesopt.py runs in quick mode with every method, and reports.
+
+No timing is asserted. Every method must run the same initial design, record a
+regret curve that never increases (it is the best value so far), one fit or
+update per iteration plus the initial fit, and appear in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("laplace_bayesopt")
+pytest.importorskip("botorch")
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = 7
+
+
+@pytest.mark.slow
+def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
+    script = ROOT / "benchmarks" / "bayesopt.py"
+    command = [sys.executable, str(script), "--quick", "--workers", "1"]
+    proc = subprocess.run(
+        [*command, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raw = [json.loads(p.read_text()) for p in (tmp_path / "raw").glob("*.json")]
+    assert len({r["method"] for r in raw}) == METHODS
+    first_best = {r["best"][0] for r in raw}
+    assert len(first_best) == 1  # the same initial design for every method
+    for r in raw:
+        assert len(r["regret"]) == 4 and len(r["fit_s"]) == 4 and len(r["acq_s"]) == 3
+        assert all(a >= b >= 0 for a, b in zip(r["regret"], r["regret"][1:]))
+    report = json.loads((tmp_path / "bayesopt.json").read_text())
+    assert len(report["table"]["branin"]) == METHODS
+    assert {row["method"] for row in report["criterion"]} == {
+        r["method"] for r in raw if r["method"].startswith("Context")
+    }
+    text = (tmp_path / "BAYESOPT.md").read_text()
+    assert text.count("| branin |") == METHODS
+    assert (tmp_path / "regret.png").stat().st_size > 0
+    assert (tmp_path / "regret_branin.png").stat().st_size > 0
