@@ -291,19 +291,30 @@ def test_context_posterior_never_imports_the_optimiser():
                 )
 
 
-def test_laplace_torch_only_in_its_layers():
+def _absolute_imports(path: pathlib.Path) -> set[str]:
+    """Top-level names of every absolute import in ``path``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add((node.module or "").split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize(
+    ("distributions", "layers"),
+    [
+        ({"laplace"}, LAPLACE_TORCH_LAYERS),
+        # The package imports without the bayesopt extra.
+        ({"botorch", "gpytorch", "linear_operator"}, {"bayesopt"}),
+    ],
+)
+def test_optional_dependencies_only_in_their_layers(distributions, layers):
     for path in _modules():
-        rel = path.relative_to(PACKAGE).parts
-        if rel[0] in LAPLACE_TORCH_LAYERS:
+        if path.relative_to(PACKAGE).parts[0] in layers:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                names = [node.module or ""]
-            else:
-                continue
-            assert not any(n.split(".")[0] == "laplace" for n in names), path
+        assert not _absolute_imports(path) & distributions, path
 
 
 def test_test_modules_import_no_sibling_test_module():
