@@ -31,7 +31,9 @@ def test_rotation_matches_scipy_per_image() -> None:
     images = torch.rand(2, 64, dtype=torch.float64) * 16
     got = rotate_images(images, 30.0)
     for i in range(2):
-        one = ndimage.rotate(images[i].numpy().reshape(8, 8), 30.0, reshape=False, order=1)
+        one = ndimage.rotate(
+            images[i].numpy().reshape(8, 8), 30.0, reshape=False, order=1
+        )
         assert np.allclose(got[i].numpy(), one.reshape(64), atol=1e-12)
 
 

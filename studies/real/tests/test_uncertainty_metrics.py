@@ -35,7 +35,7 @@ def test_auroc_by_hand() -> None:
 
 
 def _brute_force(uncertainty: list[float], correct: list[bool]) -> tuple[float, list]:
-    """AURC and per-k accuracy averaged over every order that respects ``uncertainty``."""
+    """AURC and per-k accuracy averaged over every order sorted by ``uncertainty``."""
     n = len(uncertainty)
     orders = [
         p
@@ -48,7 +48,9 @@ def _brute_force(uncertainty: list[float], correct: list[bool]) -> tuple[float, 
         cum = list(itertools.accumulate(wrong))
         areas.append(sum(cum[k] / (k + 1) for k in range(n)) / n)
         accs.append([1 - cum[k] / (k + 1) for k in range(n)])
-    return sum(areas) / len(areas), [sum(a[k] for a in accs) / len(accs) for k in range(n)]
+    return sum(areas) / len(areas), [
+        sum(a[k] for a in accs) / len(accs) for k in range(n)
+    ]
 
 
 def test_aurc_and_accuracy_coverage_against_every_tie_order() -> None:
