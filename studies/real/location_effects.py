@@ -14,7 +14,10 @@ from typing import Any
 
 from .criteria import COMMON_DELTA_PAIRS, PAIRS
 
-__all__ = ["PAIR_PROTOCOLS", "location_effects", "location_markdown"]
+__all__ = ["PAIR_PROTOCOLS", "TIE", "location_effects", "location_markdown"]
+
+#: Differences of at most this size count as ties (neither better nor worse).
+TIE = 1e-6
 
 #: protocol -> posterior -> (random row, optimised row)
 PAIR_PROTOCOLS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -60,7 +63,7 @@ def location_effects(aggs: list[dict[str, Any]], part: str) -> list[dict[str, An
     Returns
     -------
     list of dict
-        ``protocol, posterior, metric, higher_better, better, cells,
+        ``protocol, posterior, metric, higher_better, better, worse, cells,
         mean_diff`` (optimised − random, mean over cells) and ``diffs`` per cell.
 
     """
@@ -77,7 +80,9 @@ def location_effects(aggs: list[dict[str, Any]], part: str) -> list[dict[str, An
                         diffs[f"{ds} {f:.0%}"] = b[key][0] - a[key][0]
                 if not diffs:
                     continue
-                better = sum((d > 0) if higher else (d < 0) for d in diffs.values())
+                sign = 1.0 if higher else -1.0
+                better = sum(sign * d > TIE for d in diffs.values())
+                worse = sum(sign * d < -TIE for d in diffs.values())
                 out.append(
                     {
                         "protocol": protocol,
@@ -85,6 +90,7 @@ def location_effects(aggs: list[dict[str, Any]], part: str) -> list[dict[str, An
                         "metric": key,
                         "higher_better": higher,
                         "better": better,
+                        "worse": worse,
                         "cells": len(diffs),
                         "mean_diff": sum(diffs.values()) / len(diffs),
                         "diffs": diffs,
@@ -99,16 +105,18 @@ def location_markdown(effects: list[dict[str, Any]]) -> list[str]:
         "## Optimised against random locations",
         "",
         "Cells (data set, M) where the optimised row is better than the random row "
-        "it starts from, mean difference optimised − random.",
+        "it starts from (better / worse by more than 1e-6; the rest are ties), mean "
+        "difference optimised − random.",
         "",
-        "| δ | posterior | metric | better | mean Δ | Δ per cell |",
-        "|---|---|---|---|---|---|",
+        "| δ | posterior | metric | better | worse | mean Δ | Δ per cell |",
+        "|---|---|---|---|---|---|---|",
     ]
     for e in effects:
         arrow = "↑" if e["higher_better"] else "↓"
-        per = ", ".join(f"{k}: {v:+.3f}" for k, v in e["diffs"].items())
+        per = ", ".join(f"{k}: {v:+.4f}" for k, v in e["diffs"].items())
         lines.append(
             f"| {e['protocol']} | {e['posterior']} | {e['metric']} {arrow} | "
-            f"{e['better']} of {e['cells']} | {e['mean_diff']:+.4f} | {per} |"
+            f"{e['better']} of {e['cells']} | {e['worse']} | {e['mean_diff']:+.2e} "
+            f"| {per} |"
         )
     return lines

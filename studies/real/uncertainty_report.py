@@ -64,6 +64,8 @@ def aggregate_probes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _cell(a: dict | None, key: str) -> str:
     if a is None or key not in a:
         return "–"
+    if "aurc" in key:  # of the order of the error rate (1–3 % on digits)
+        return f"{a[key][0]:.4f} ± {a[key][1]:.4f}"
     return f"{a[key][0]:.3f} ± {a[key][1]:.3f}"
 
 
