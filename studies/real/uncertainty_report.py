@@ -89,13 +89,21 @@ def _table(aggs: list[dict], keys: list[tuple[str, str]], fraction: float) -> li
     return lines
 
 
+def _colour(aggs: list[dict], method: str) -> Any:
+    """One colour per method of the part, the same in every plot."""
+    return plt.get_cmap("tab20")(_methods(aggs).index(method) % 20)
+
+
 def _lines(ax: Any, aggs: list[dict], key: str, fractions: list[float]) -> None:
     """``key`` against M per method; methods without M as horizontal lines."""
     for method in _methods(aggs):
         by_f = {a["fraction"]: a for a in aggs if a["method"] == method}
+        colour = _colour(aggs, method)
         if None in by_f:
             if key in by_f[None]:
-                ax.axhline(by_f[None][key][0], ls=":", lw=1, label=method)
+                ax.axhline(
+                    by_f[None][key][0], ls=":", lw=1.2, color=colour, label=method
+                )
             continue
         pts = [(100 * f, by_f[f][key]) for f in fractions if key in by_f.get(f, {})]
         if pts:
@@ -106,6 +114,8 @@ def _lines(ax: Any, aggs: list[dict], key: str, fractions: list[float]) -> None:
                 marker="o",
                 ms=3,
                 capsize=2,
+                color=colour,
+                ls="--" if "full δ" in method else "-",
                 label=method,
             )
     ax.set_xscale("log")
@@ -141,7 +151,15 @@ def _plot_coverage(aggs: list[dict], fraction: float, path: Path, title: str) ->
         by_f = {a["fraction"]: a for a in aggs if a["method"] == method}
         a = by_f.get(fraction, by_f.get(None))
         if a is not None and "clean/acc_coverage" in a:
-            ax.plot(xs, a["clean/acc_coverage"][0], marker=".", ms=3, label=method)
+            ax.plot(
+                xs,
+                a["clean/acc_coverage"][0],
+                marker=".",
+                ms=3,
+                color=_colour(aggs, method),
+                ls="--" if "full δ" in method else "-",
+                label=method,
+            )
     ax.set_xlabel("coverage (kept by lowest predictive entropy)")
     ax.set_ylabel("accuracy")
     ax.set_title(title)
@@ -169,7 +187,15 @@ def _plot_severity(sub: list[dict], kind: str, fraction: float, path: Path) -> N
             ys = [a[key][0]] + [
                 a.get(f"{kind}@{s:g}/{key}", [math.nan])[0] for s in levels
             ]
-            ax.plot([0.0, *levels], ys, marker="o", ms=3, label=method)
+            ax.plot(
+                [0.0, *levels],
+                ys,
+                marker="o",
+                ms=3,
+                color=_colour(sub, method),
+                ls="--" if "full δ" in method else "-",
+                label=method,
+            )
         ax.set_xlabel(f"{kind} severity")
         ax.set_ylabel(key)
         if key == "nlpd":
