@@ -121,6 +121,25 @@ def _keep(classes: tuple[int, ...] | None, *pairs: tuple) -> list:
     return [(X[np.isin(y, classes)], y[np.isin(y, classes)]) for X, y in pairs]
 
 
+def _three_way(spec: DataSpec, seed: int, fractions: tuple[float, float, float]):
+    """Raw train, validation and test arrays (stratified for classes)."""
+    X, y = spec.loader(return_X_y=True)
+    X = X.astype(np.float64)
+    strat = y if spec.task == "classification" else None
+    X_rest, X_te, y_rest, y_te = train_test_split(
+        X, y, test_size=fractions[2], stratify=strat, random_state=seed
+    )
+    strat = y_rest if spec.task == "classification" else None
+    X_tr, X_va, y_tr, y_va = train_test_split(
+        X_rest,
+        y_rest,
+        test_size=fractions[1] / (fractions[0] + fractions[1]),
+        stratify=strat,
+        random_state=seed,
+    )
+    return X_tr, y_tr, X_va, y_va, X_te, y_te
+
+
 def load_split(
     name: str,
     seed: int,
@@ -165,21 +184,7 @@ def load_split(
             f"keep_classes must be 0..K-1 of a classification data set, got "
             f"{keep_classes!r} for {name!r}; e.g. keep_classes=(0, 1, 2, 3, 4)."
         )
-    X, y = spec.loader(return_X_y=True)
-    X = X.astype(np.float64)
-    strat = y if spec.task == "classification" else None
-    n_test = fractions[2]
-    X_rest, X_te, y_rest, y_te = train_test_split(
-        X, y, test_size=n_test, stratify=strat, random_state=seed
-    )
-    strat = y_rest if spec.task == "classification" else None
-    X_tr, X_va, y_tr, y_va = train_test_split(
-        X_rest,
-        y_rest,
-        test_size=fractions[1] / (fractions[0] + fractions[1]),
-        stratify=strat,
-        random_state=seed,
-    )
+    X_tr, y_tr, X_va, y_va, X_te, y_te = _three_way(spec, seed, fractions)
     ood = None
     if keep_classes is not None:
         out = ~np.isin(y_te, keep_classes)
@@ -201,15 +206,11 @@ def load_split(
     else:
         ys = [torch.tensor(a, dtype=torch.int64) for a in (y_tr, y_va, y_te)]
     xs = [torch.tensor(a, dtype=torch.float32) for a in (X_tr, X_va, X_te)]
+    pairs = [t for pair in zip(xs, ys) for t in pair]
     return Split(
         name,
         spec.task,
-        xs[0],
-        ys[0],
-        xs[1],
-        ys[1],
-        xs[2],
-        ys[2],
+        *pairs,
         x_test_raw=raw_test,
         x_mean=torch.tensor(mean),
         x_std=torch.tensor(std),

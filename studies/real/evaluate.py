@@ -225,22 +225,27 @@ def evaluate_seed(
             ctx.split.y_train[idx].clone(),
             valla_iterations=config.valla_iterations,
         )
-        search_s = search_cpu_s = None
-        for name in config.methods:
-            spec = METHODS[name]
-            if spec.locations == "none":
-                continue
-            if spec.locations == "optimised" and row.optimised is None:
-                row.optimised, (search_s, search_cpu_s) = _optimised(
-                    ctx, row, config.steps, config.batch_size, delta_full
-                )
-            out = _guarded(spec, ctx, row, config, delta_full, probe)
-            out.update(m=m, fraction=frac)
-            if spec.locations == "optimised":
-                out["search_s"], out["search_cpu_s"] = search_s, search_cpu_s
-            rows.append(out)
-            _report(rows, out, on_method, on_rows)
+        _rows_at(ctx, row, frac, config, delta_full, probe, rows, on_method, on_rows)
     return rows
+
+
+def _rows_at(ctx, row, frac, config, delta_full, probe, rows, on_method, on_rows):
+    """Append the rows of every method with locations at one M (``row.m``)."""
+    search_s = search_cpu_s = None
+    for name in config.methods:
+        spec = METHODS[name]
+        if spec.locations == "none":
+            continue
+        if spec.locations == "optimised" and row.optimised is None:
+            row.optimised, (search_s, search_cpu_s) = _optimised(
+                ctx, row, config.steps, config.batch_size, delta_full
+            )
+        out = _guarded(spec, ctx, row, config, delta_full, probe)
+        out.update(m=row.m, fraction=frac)
+        if spec.locations == "optimised":
+            out["search_s"], out["search_cpu_s"] = search_s, search_cpu_s
+        rows.append(out)
+        _report(rows, out, on_method, on_rows)
 
 
 def _guarded(spec, ctx, row, config, delta_full, probe) -> dict[str, Any]:
