@@ -4,8 +4,9 @@ For each posterior with locations (``ContextPosterior``, ``LocationFunctionalLap
 and each way of choosing δ (its own, by validation, the full Laplace's evidence δ
 common to both rows), the optimised row is compared with the random-subset row it
 starts from in every (data set, M) cell, per metric: out-of-distribution AUROC
-(higher is better), AURC (lower), and NLPD and ECE at the strongest corruption of
-each kind (lower). Counted, not judged: what they say is in the README.
+(higher is better), AURC (lower), and NLPD and ECE at the mildest and the
+strongest corruption of each kind (lower). Counted, not judged: what they say is
+in the README.
 """
 
 from __future__ import annotations
@@ -30,23 +31,24 @@ PAIR_PROTOCOLS: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 def _metrics(aggs: list[dict[str, Any]], part: str) -> list[tuple[str, bool]]:
-    """(key, higher is better) of the part, strongest severity per corruption."""
+    """(key, higher is better) of the part; mildest and strongest severities."""
     keys = {k for a in aggs for k in a if "/" in k and not k.endswith("coverage")}
     out = [(k, True) for k in ("ood/auroc_entropy", "ood/auroc_variance") if k in keys]
     out += [
         (k, False) for k in ("clean/aurc_entropy", "clean/aurc_variance") if k in keys
     ]
     if part == "shift":
-        top: dict[str, float] = {}
+        levels: dict[str, set[float]] = {}
         for k in (k for k in keys if "@" in k):
             kind, rest = k.split("@")
-            top[kind] = max(top.get(kind, 0.0), float(rest.split("/")[0]))
-        for kind, sev in sorted(top.items()):
-            out += [
-                (f"{kind}@{sev:g}/{m}", False)
-                for m in ("nlpd", "ece")
-                if f"{kind}@{sev:g}/{m}" in keys
-            ]
+            levels.setdefault(kind, set()).add(float(rest.split("/")[0]))
+        for kind, sevs in sorted(levels.items()):
+            for sev in sorted({min(sevs), max(sevs)}):
+                out += [
+                    (f"{kind}@{sev:g}/{m}", False)
+                    for m in ("nlpd", "ece")
+                    if f"{kind}@{sev:g}/{m}" in keys
+                ]
     return out
 
 
