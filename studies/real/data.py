@@ -81,6 +81,20 @@ class Split:
     y_val: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    #: The unstandardised test inputs and the training statistics (for corruptions
+    #: applied before standardisation, ``corruptions.py``).
+    x_test_raw: torch.Tensor | None = None
+    x_mean: torch.Tensor | None = None
+    x_std: torch.Tensor | None = None
+    #: Test inputs of the held-out classes (standardised like the rest), if any.
+    x_ood: torch.Tensor | None = None
+    y_ood: torch.Tensor | None = None
+
+    def standardise(self, raw: torch.Tensor) -> torch.Tensor:
+        """Standardise raw inputs ``(n, D)`` with the training statistics."""
+        if self.x_mean is None or self.x_std is None:
+            raise ValueError("This split has no training statistics recorded.")
+        return ((raw.double() - self.x_mean) / self.x_std).float()
 
     @property
     def n_outputs(self) -> int:
@@ -90,14 +104,47 @@ class Split:
         return int(self.y_train.max()) + 1
 
 
+def _stats(train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    std = train.std(axis=0)
+    return train.mean(axis=0), np.where(std > 0, std, 1.0)  # constant digit pixels
+
+
 def _standardise(train: np.ndarray, *others: np.ndarray) -> tuple[np.ndarray, ...]:
-    mean, std = train.mean(axis=0), train.std(axis=0)
-    std = np.where(std > 0, std, 1.0)  # constant pixels of digits
+    mean, std = _stats(train)
     return tuple((a - mean) / std for a in (train, *others))
 
 
+def _keep(classes: tuple[int, ...] | None, *pairs: tuple) -> list:
+    """Each ``(X, y)`` restricted to ``classes`` (all when ``None``)."""
+    if classes is None:
+        return list(pairs)
+    return [(X[np.isin(y, classes)], y[np.isin(y, classes)]) for X, y in pairs]
+
+
+def _three_way(spec: DataSpec, seed: int, fractions: tuple[float, float, float]):
+    """Raw train, validation and test arrays (stratified for classes)."""
+    X, y = spec.loader(return_X_y=True)
+    X = X.astype(np.float64)
+    strat = y if spec.task == "classification" else None
+    X_rest, X_te, y_rest, y_te = train_test_split(
+        X, y, test_size=fractions[2], stratify=strat, random_state=seed
+    )
+    strat = y_rest if spec.task == "classification" else None
+    X_tr, X_va, y_tr, y_va = train_test_split(
+        X_rest,
+        y_rest,
+        test_size=fractions[1] / (fractions[0] + fractions[1]),
+        stratify=strat,
+        random_state=seed,
+    )
+    return X_tr, y_tr, X_va, y_va, X_te, y_te
+
+
 def load_split(
-    name: str, seed: int, fractions: tuple[float, float, float] = (0.7, 0.15, 0.15)
+    name: str,
+    seed: int,
+    fractions: tuple[float, float, float] = (0.7, 0.15, 0.15),
+    keep_classes: tuple[int, ...] | None = None,
 ) -> Split:
     """Load a bundled data set and split it 70/15/15 (stratified for classes).
 
@@ -109,6 +156,10 @@ def load_split(
         Seed of the split.
     fractions : tuple of float, default=(0.7, 0.15, 0.15)
         Train, validation and test shares.
+    keep_classes : tuple of int, optional
+        Held-out classes: train, validate and test on these classes ``0..K−1``
+        only (the splits are those of all classes, then filtered); the test inputs
+        of the other classes become ``x_ood``/``y_ood``.
 
     Returns
     -------
@@ -118,27 +169,34 @@ def load_split(
     Raises
     ------
     ValueError
-        For an unknown name.
+        For an unknown name, or classes that are not ``0..K−1`` of a
+        classification data set.
 
     """
     if name not in DATASETS:
         raise ValueError(f"Unknown data set {name!r}; choose from {sorted(DATASETS)}.")
     spec = DATASETS[name]
-    X, y = spec.loader(return_X_y=True)
-    X = X.astype(np.float64)
-    strat = y if spec.task == "classification" else None
-    n_test = fractions[2]
-    X_rest, X_te, y_rest, y_te = train_test_split(
-        X, y, test_size=n_test, stratify=strat, random_state=seed
+    if keep_classes is not None and (
+        spec.task != "classification"
+        or tuple(keep_classes) != tuple(range(len(keep_classes)))
+    ):
+        raise ValueError(
+            f"keep_classes must be 0..K-1 of a classification data set, got "
+            f"{keep_classes!r} for {name!r}; e.g. keep_classes=(0, 1, 2, 3, 4)."
+        )
+    X_tr, y_tr, X_va, y_va, X_te, y_te = _three_way(spec, seed, fractions)
+    ood = None
+    if keep_classes is not None:
+        out = ~np.isin(y_te, keep_classes)
+        ood = (X_te[out], y_te[out])
+    (X_tr, y_tr), (X_va, y_va), (X_te, y_te) = _keep(
+        keep_classes, (X_tr, y_tr), (X_va, y_va), (X_te, y_te)
     )
-    strat = y_rest if spec.task == "classification" else None
-    X_tr, X_va, y_tr, y_va = train_test_split(
-        X_rest,
-        y_rest,
-        test_size=fractions[1] / (fractions[0] + fractions[1]),
-        stratify=strat,
-        random_state=seed,
-    )
+    mean, std = _stats(X_tr)
+    raw_test = torch.tensor(X_te, dtype=torch.float64)
+    if ood is not None:
+        x_ood = torch.tensor((ood[0] - mean) / std, dtype=torch.float32)
+        ood = (x_ood, torch.tensor(ood[1], dtype=torch.int64))
     X_tr, X_va, X_te = _standardise(X_tr, X_va, X_te)
     if spec.task == "regression":
         y_tr, y_va, y_te = _standardise(
@@ -148,4 +206,14 @@ def load_split(
     else:
         ys = [torch.tensor(a, dtype=torch.int64) for a in (y_tr, y_va, y_te)]
     xs = [torch.tensor(a, dtype=torch.float32) for a in (X_tr, X_va, X_te)]
-    return Split(name, spec.task, xs[0], ys[0], xs[1], ys[1], xs[2], ys[2])
+    pairs = [t for pair in zip(xs, ys) for t in pair]
+    return Split(
+        name,
+        spec.task,
+        *pairs,
+        x_test_raw=raw_test,
+        x_mean=torch.tensor(mean),
+        x_std=torch.tensor(std),
+        x_ood=None if ood is None else ood[0],
+        y_ood=None if ood is None else ood[1],
+    )

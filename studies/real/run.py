@@ -38,7 +38,12 @@ QUICK = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line (``--help`` lists the options)."""
-    p = argparse.ArgumentParser(description=__doc__)
+    return build_parser(__doc__).parse_args(argv)
+
+
+def build_parser(description: str | None) -> argparse.ArgumentParser:
+    """The study's options (shared with the parts' command, ``uncertainty.py``)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="tiny sizes, < 1 minute")
     p.add_argument("--datasets", nargs="+", choices=sorted(DATASETS))
     p.add_argument("--seeds", nargs="+", type=int)
@@ -61,17 +66,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent / "results"
     )
-    return p.parse_args(argv)
+    return p
 
 
-def configs(args: argparse.Namespace) -> tuple[list, list, StudyConfig, TrainConfig]:
-    """Data sets, seeds, study and training settings from the arguments."""
-    quick = QUICK if args.quick else {}
-    datasets = args.datasets or quick.get("datasets", list(DATASETS))
-    seeds = args.seeds or quick.get("seeds", list(SEEDS))
+def configs(
+    args: argparse.Namespace, defaults: dict | None = None, part: str = "main"
+) -> tuple[list, list, StudyConfig, TrainConfig]:
+    """Data sets, seeds, study and training settings from the arguments.
+
+    ``defaults`` replaces the study's defaults (data sets, seeds, fractions) and
+    ``--quick``'s settings (key ``quick``) for a part of the study.
+    """
+    defaults = defaults or {}
+    quick = defaults.get("quick", QUICK) if args.quick else {}
+    datasets = args.datasets or quick.get(
+        "datasets", defaults.get("datasets", list(DATASETS))
+    )
+    seeds = args.seeds or quick.get("seeds", defaults.get("seeds", list(SEEDS)))
     base = StudyConfig()
+    fractions = defaults.get("fractions", FRACTIONS)
     study = StudyConfig(
-        fractions=tuple(args.fractions or quick.get("fractions", FRACTIONS)),
+        part=part,
+        fractions=tuple(args.fractions or quick.get("fractions", fractions)),
         methods=tuple(args.methods or METHODS),
         steps=args.steps if args.steps is not None else quick.get("steps", base.steps),
         batch_size=args.batch_size,
@@ -89,14 +105,18 @@ def configs(args: argparse.Namespace) -> tuple[list, list, StudyConfig, TrainCon
 def main(argv: list[str] | None = None) -> None:
     """Run the study and write the report into ``--out``."""
     from .report import write_report
-    from .runner import load_records, run_study
 
     args = parse_args(argv)
-    datasets, seeds, study, train = configs(args)
+    execute(args, configs(args), "python -m studies.real", write_report, argv)
+
+
+def execute(args, settings, program: str, write, argv: list[str] | None) -> None:
+    """Run (or ``--report-only`` reload) the tasks, then ``write`` the report."""
+    from .runner import load_records, run_study
+
+    datasets, seeds, study, train = settings
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m studies.real " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    command = program + " " + " ".join(sys.argv[1:] if argv is None else argv)
     run_file = args.out / "run.json"
     if args.report_only:
         tasks = [(d, s) for d in datasets for s in seeds]
@@ -117,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             "load_average_at_end": list(os.getloadavg()),
         }
         run_file.write_text(json.dumps(run, indent=1))
-    write_report(records, args.out, run.get("command", command.strip()), run)
+    write(records, args.out, run.get("command", command.strip()), run)
     print(f"wrote {args.out / 'RESULTS.md'}")
 
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from .context import build_context
 from .data import load_split
 from .evaluate import StudyConfig, evaluate_seed
+from .probes import make_probe, part_split
 from .training import TrainConfig
 
 __all__ = ["load_records", "run_study", "run_task", "task_order"]
@@ -73,8 +74,12 @@ def run_task(
     start, cpu = time.perf_counter(), time.process_time()
     if log and on_method is None:
         on_method = _log_line(name, seed, start)
-    split = load_split(name, seed)
+    main = config.part == "main"
+    split = load_split(name, seed) if main else part_split(name, seed, config.part)
     ctx = build_context(split, seed, train)
+    start_probe = time.perf_counter()
+    probe = None if main else make_probe(ctx, config.part)
+    ctx.times["probe_sets"] = time.perf_counter() - start_probe
     meta: dict[str, Any] = {
         "dataset": name,
         "seed": seed,
@@ -98,7 +103,7 @@ def run_task(
 
     if on_method is not None:
         on_method("network and full Laplace ready")
-    rows = tag(evaluate_seed(ctx, config, on_method, write_partial))
+    rows = tag(evaluate_seed(ctx, config, on_method, write_partial, probe))
     meta["total_s"] = time.perf_counter() - start
     meta["cpu_s"] = time.process_time() - cpu  # one thread: the unshared wall time
     Path(raw_dir, f"{name}_{seed}.json").write_text(

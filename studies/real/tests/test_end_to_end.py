@@ -43,8 +43,11 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
     assert not [r for r in rows if "error" in r]
     for ds in ("wine", "diabetes"):
         got = {(r["method"], r.get("fraction")) for r in rows if r["dataset"] == ds}
-        want = {(m, f) for m in METHODS for f in (0.05, 0.2)}
-        assert want | {("MAP", None), ("FullLaplace", None)} == got
+        per_m = [m for m, spec in METHODS.items() if spec.locations != "none"]
+        once = [m for m, spec in METHODS.items() if spec.locations == "none"]
+        want = {(m, f) for m in per_m for f in (0.05, 0.2)}
+        base = {("MAP", None), ("FullLaplace", None), ("FullLaplace (val-δ)", None)}
+        assert want | base | {(m, None) for m in once} == got
     for r in rows:
         assert math.isfinite(r["nlpd"])
         if r["method"] not in ("MAP",):
@@ -76,3 +79,4 @@ def test_ella_and_valla_rows_exactly_when_laplace_torch_has_them() -> None:
     has = hasattr(baselaplace, "ELLA")
     assert ("ELLA" in METHODS) == has and ("VaLLA" in METHODS) == has
     assert {"GP-subset", "CP (optimised)", "LFL full-Λ (optimised)"} <= set(METHODS)
+    assert {"LLLaplace", "LLLaplace (val-δ)", "GP-subset (val-δ)"} <= set(METHODS)

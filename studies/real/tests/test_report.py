@@ -84,6 +84,30 @@ def test_criteria_by_hand() -> None:
     assert "one common δ" in "\n".join(criteria_markdown(check_criteria(aggs + common)))
 
 
+def test_location_criterion_counts_cells_at_the_common_delta() -> None:
+    common = [
+        # CP: better NLPD at 1 % and 5 %, worse at 2 %; log-var lower at 1 %, 2 %, 5 %
+        _agg("wine", "CP (random) at full δ", 0.01, 0.50, 0.30),
+        _agg("wine", "CP (optimised) at full δ", 0.01, 0.45, 0.20),
+        _agg("wine", "CP (random) at full δ", 0.02, 0.50, 0.30),
+        _agg("wine", "CP (optimised) at full δ", 0.02, 0.55, 0.20),
+        _agg("wine", "CP (random) at full δ", 0.05, 0.50, 0.30),
+        _agg("wine", "CP (optimised) at full δ", 0.05, 0.40, 0.20),
+        # LFL: better NLPD, higher log-var error (not counted for the criterion)
+        _agg("wine", "LFL full-Λ (random) at full δ", 0.01, 0.30, 1.0),
+        _agg("wine", "LFL full-Λ (optimised) at full δ", 0.01, 0.20, 2.0),
+    ]
+    loc = check_criteria(common)["location"]
+    assert (loc["nlpd_better"], loc["nlpd_cells"]) == (3, 4)
+    assert (loc["log_var_better"], loc["log_var_cells"]) == (3, 3)
+    assert loc["met"] is True  # 3 of 4 = 75 %
+    common[3]["log_var_error"] = [0.5, 0.0]  # CP 2 %: log-var now worse: 2 of 3
+    assert check_criteria(common)["location"]["met"] is False
+    md = "\n".join(criteria_markdown(check_criteria(common)))
+    assert "**Location criterion**" in md and "2 of 3" in md
+    assert check_criteria([])["location"]["met"] is None
+
+
 def test_load_records_prefers_finished_then_partial(tmp_path: Path) -> None:
     (tmp_path / "a_1.json").write_text(json.dumps({"meta": {"k": "done"}, "rows": []}))
     (tmp_path / "a_1.partial.json").write_text(json.dumps({"meta": {"k": "p"}}))
