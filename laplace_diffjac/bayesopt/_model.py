@@ -232,7 +232,8 @@ class ContextBoTorch(Model):
             since,
             self._fit.trainings,
         )
-        if self._schedule.due_on_evidence(
+        schedule = self._schedule
+        if schedule.evidence_drop is not None and schedule.due_on_evidence(
             _evidence_per_point(posterior), self._fit.evidence_per_point
         ):
             new._train()
@@ -303,8 +304,11 @@ class ContextBoTorch(Model):
         else:
             dist = MultitaskMultivariateNormal(mean, cov, interleaved=True)
         result = GPyTorchPosterior(dist)
-        if hasattr(self, "outcome_transform") and output_indices is None:
-            result = self.outcome_transform.untransform_posterior(result)
+        if hasattr(self, "outcome_transform"):
+            transform = self.outcome_transform
+            if output_indices is not None:
+                transform = transform.subset_output(output_indices)
+            result = transform.untransform_posterior(result)
         if posterior_transform is not None:
             return posterior_transform(result)
         return result

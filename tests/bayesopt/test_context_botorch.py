@@ -166,6 +166,20 @@ def test_outcome_transform_untransforms_mean_and_covariance():
     _close(post.distribution.covariance_matrix, cov * std**2, "cov")
 
 
+def test_output_indices_are_untransformed_with_their_own_statistics():
+    model = _model(outputs=2, outcome_transform=Standardize(m=2))
+    x_star = _data(3, 9)[0]
+    both = model.posterior(x_star)
+    second = model.posterior(x_star, output_indices=[1])
+    exact = dict(rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        second.mean.detach().squeeze(-1), both.mean.detach()[:, 1], **exact
+    )
+    torch.testing.assert_close(
+        second.variance.detach().squeeze(-1), both.variance.detach()[:, 1], **exact
+    )
+
+
 def test_observation_noise_and_output_indices():
     model = _model(outputs=2)
     x_star = _data(3, 9)[0]
