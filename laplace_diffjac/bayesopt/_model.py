@@ -11,6 +11,7 @@ from botorch.models.model import Model
 from botorch.models.transforms.outcome import OutcomeTransform
 from botorch.posteriors.gpytorch import GPyTorchPosterior
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from linear_operator.operators import DenseLinearOperator
 from torch import nn
 
 from ..backends import BackendSpec, DiffBackPackGGN
@@ -299,10 +300,14 @@ class ContextBoTorch(Model):
         if observation_noise:
             noise = posterior.sigma_noise.to(cov) ** 2
             cov = cov + noise * torch.eye(cov.shape[-1], dtype=cov.dtype)
+        # A linear operator, not a tensor: GPyTorch factorises it lazily with its
+        # jittered Cholesky (a dense tensor is factorised here, exactly, and a
+        # q-batch of near-duplicate points is singular up to rounding).
+        lazy = DenseLinearOperator(cov)
         if mean.shape[-1] == 1:
-            dist: MultivariateNormal = MultivariateNormal(mean[..., 0], cov)
+            dist: MultivariateNormal = MultivariateNormal(mean[..., 0], lazy)
         else:
-            dist = MultitaskMultivariateNormal(mean, cov, interleaved=True)
+            dist = MultitaskMultivariateNormal(mean, lazy, interleaved=True)
         result = GPyTorchPosterior(dist)
         if hasattr(self, "outcome_transform"):
             transform = self.outcome_transform

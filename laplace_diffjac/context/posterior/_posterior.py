@@ -53,7 +53,7 @@ from ._hyperparameters import (
     infer_structure,
     layer_sizes,
 )
-from ._predictive import gaussian_samples, link_probabilities
+from ._predictive import gaussian_samples, latent_covariance, link_probabilities
 from ._state import load_posterior_state, posterior_state
 from ._statistics import Accumulators, reduce_accumulators
 
@@ -564,10 +564,12 @@ class ContextPosterior:
         mean = self.mean.to(torch.float64)
         return mean - self.prior_mean.to(mean).expand_as(mean)
 
-    def _dual_mean(self, Js: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    def _dual_mean(
+        self, Js: torch.Tensor, f: torch.Tensor, T: torch.Tensor | None = None
+    ) -> torch.Tensor:
         acc, _ = self._fitted()
         s, _, h = self._scales()
-        T = self._whitened_cross(Js)
+        T = self._whitened_cross(Js) if T is None else T
         return dual_mean(acc, self._factor(), T, f, Js, self._offset(), s, h)
 
     def _factor(self) -> PredictiveFactor:
@@ -603,13 +605,12 @@ class ContextPosterior:
             ``(B*, C, C)`` in ``Js``'s dtype.
 
         """
-        factor = self._factor()
-        Js64 = Js.to(torch.float64)
-        var = self._kernel_prior_var()
-        K_ss = torch.einsum("bcp,bep->bce", Js64 * var, Js64)
-        V = factor.project(self._whitened_cross(Js))
-        V = V.reshape(Js.shape[0], Js.shape[1], -1)  # (B*, C, MC)
-        return (K_ss - V @ V.transpose(1, 2)).to(Js.dtype)
+        return self._variance(Js, self._whitened_cross(Js))
+
+    def _variance(self, Js: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
+        """:meth:`functional_variance` given ``T = L₀⁻¹ K_Z*`` ``(MC, B* C)``."""
+        V = self._factor().project(T)
+        return latent_covariance(Js, V, self._kernel_prior_var(), joint=False)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
         """Joint latent posterior covariance of all test outputs (per batch).
@@ -626,13 +627,13 @@ class ContextPosterior:
             joint covariance of each batch's ``B*`` inputs, none across batches.
 
         """
-        factor = self._factor()
-        batch, (C, P) = Js.shape[:-3], Js.shape[-2:]
-        J = Js.to(torch.float64).reshape(*batch, -1, P)  # (*batch, B* C, P)
-        K_ss = (J * self._kernel_prior_var()) @ J.transpose(-1, -2)
-        V = factor.project(self._whitened_cross(J.reshape(-1, C, P)))
-        V = V.reshape(*J.shape[:-1], -1)  # (*batch, B* C, MC)
-        return (K_ss - V @ V.transpose(-1, -2)).to(Js.dtype)
+        C, P = Js.shape[-2:]
+        return self._covariance(Js, self._whitened_cross(Js.reshape(-1, C, P)))
+
+    def _covariance(self, Js: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
+        """:meth:`functional_covariance` given ``T`` of the flattened inputs."""
+        V = self._factor().project(T)
+        return latent_covariance(Js, V, self._kernel_prior_var(), joint=True)
 
     def joint_predictive(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Joint latent predictive of batches of inputs (BoTorch's q-batches).
@@ -665,18 +666,22 @@ class ContextPosterior:
                 f"{', '.join(map(str, self.locations.shape[1:]))}) like the locations."
             )
         flat = x.reshape(-1, *self.locations.shape[1:])
-        f, Js = self._predictive_pieces(flat)
-        covariance = self.functional_covariance(Js.reshape(*lead, *Js.shape[1:]))
+        f, Js, T = self._predictive_pieces(flat)
+        covariance = self._covariance(Js.reshape(*lead, *Js.shape[1:]), T)
         return self._as_output(f.reshape(*lead, -1), covariance)
 
-    def _predictive_pieces(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The predictive mean ``(B*, C)`` and the Jacobians ``(B*, C, P)`` at ``x``."""
+    def _predictive_pieces(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The mean (B*, C), the Jacobians (B*, C, P) and T = L₀⁻¹ K_Z* (MC, B* C),
+        # computed once for the mean and the covariance.
         check_inputs(x, "x", self._dtype, self.locations.shape[1:])
         x = x.to(self._compute_dtype)
         Js, f = model_jacobians(self._compute_backend, x, self.enable_backprop)
+        T = self._whitened_cross(Js)
         if self.predictive_mean == "dual":
-            f = self._dual_mean(Js, f)
-        return f, Js
+            f = self._dual_mean(Js, f, T)
+        return f, Js, T
 
     def _as_output(
         self, mean: torch.Tensor, var: torch.Tensor
@@ -689,10 +694,10 @@ class ContextPosterior:
     def _glm_predictive_distribution(
         self, x: torch.Tensor, joint: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        f, Js = self._predictive_pieces(x)
+        f, Js, T = self._predictive_pieces(x)
         if joint:
-            return self._as_output(f.flatten(), self.functional_covariance(Js))
-        return self._as_output(f, self.functional_variance(Js))
+            return self._as_output(f.flatten(), self._covariance(Js, T))
+        return self._as_output(f, self._variance(Js, T))
 
     def __call__(
         self,

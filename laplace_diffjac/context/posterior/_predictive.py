@@ -1,4 +1,4 @@
-"""Link approximations and sampling of a Gaussian latent predictive ``(B*, C)``."""
+"""The latent predictive: its covariance, link approximations and sampling."""
 
 from __future__ import annotations
 
@@ -6,9 +6,49 @@ import math
 
 import torch
 
-__all__ = ["gaussian_samples", "laplace_bridge", "link_probabilities", "probit"]
+__all__ = [
+    "gaussian_samples",
+    "latent_covariance",
+    "laplace_bridge",
+    "link_probabilities",
+    "probit",
+]
 
 LINKS = ("probit", "mc", "bridge", "bridge_norm")
+
+
+def latent_covariance(
+    Js: torch.Tensor, V: torch.Tensor, prior_var: torch.Tensor, joint: bool
+) -> torch.Tensor:
+    """``K** − V Vᵀ``, per input or jointly per batch, in ``Js``'s dtype.
+
+    Parameters
+    ----------
+    Js : torch.Tensor
+        Jacobians ``(B*, C, P)``, or ``(*batch, B*, C, P)`` with ``joint``.
+    V : torch.Tensor
+        ``(n C, MC)``, the projected cross term of all ``n`` inputs in order.
+    prior_var : torch.Tensor
+        ``Σ₀``: ``()`` or ``(P,)``.
+    joint : bool
+        Joint covariance of each batch's inputs instead of one per input.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B*, C, C)``, or ``(*batch, B* C, B* C)`` input-major with ``joint``.
+
+    """
+    if not joint:
+        J = Js.to(torch.float64)
+        K_ss = torch.einsum("bcp,bep->bce", J * prior_var, J)
+        V = V.reshape(Js.shape[0], Js.shape[1], -1)  # (B*, C, MC)
+        return (K_ss - V @ V.transpose(1, 2)).to(Js.dtype)
+    batch, P = Js.shape[:-3], Js.shape[-1]
+    J = Js.to(torch.float64).reshape(*batch, -1, P)  # (*batch, B* C, P)
+    K_ss = (J * prior_var) @ J.transpose(-1, -2)
+    V = V.reshape(*J.shape[:-1], -1)  # (*batch, B* C, MC)
+    return (K_ss - V @ V.transpose(-1, -2)).to(Js.dtype)
 
 
 def gaussian_samples(
