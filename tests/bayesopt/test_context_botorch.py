@@ -24,6 +24,7 @@ from botorch.acquisition import (  # noqa: E402
     LogExpectedImprovement,
     qLogExpectedImprovement,
 )
+from botorch.models.transforms.input import Normalize  # noqa: E402
 from botorch.models.transforms.outcome import Standardize  # noqa: E402
 from botorch.optim import optimize_acqf  # noqa: E402
 from gpytorch.distributions import MultitaskMultivariateNormal  # noqa: E402
@@ -259,3 +260,32 @@ def test_bad_input_is_refused_with_the_fix():
         model.condition_on_observations(X[None, :2], Y[None, :2])
     with pytest.raises(InvalidInputError, match="match"):
         model.condition_on_observations(torch.rand(2, 3).double(), Y[:2])
+
+
+def test_input_transform_is_applied_at_training_update_and_prediction():
+    X, Y = _data(8, 0)
+    kwargs = dict(
+        n_epochs=30, n_locations=5, locations="random", bounds=BOUNDS,
+        posthoc_marglik_iters=20, retrain=RetrainSchedule(every=None),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = ContextBoTorch(_factory(), X, Y, **kwargs)
+    scale = torch.tensor([10.0, 4.0], dtype=torch.float64)
+    shift = torch.tensor([-3.0, 1.0], dtype=torch.float64)
+    to_unit = Normalize(d=D, bounds=torch.stack([shift, shift + scale]))
+    torch.manual_seed(0)
+    moved = ContextBoTorch(
+        _factory(), X * scale + shift, Y, input_transform=to_unit, **kwargs
+    )
+    x_new, y_new = _data(2, 5)
+    plain = plain.condition_on_observations(x_new, y_new)
+    moved = moved.condition_on_observations(x_new * scale + shift, y_new)
+    x_star = _data(4, 9)[0]
+    ours, theirs = plain.posterior(x_star), moved.posterior(x_star * scale + shift)
+    tol = dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(theirs.mean.detach(), ours.mean.detach(), **tol)
+    torch.testing.assert_close(
+        theirs.distribution.covariance_matrix.detach(),
+        ours.distribution.covariance_matrix.detach(),
+        **tol,
+    )
