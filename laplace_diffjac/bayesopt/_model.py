@@ -32,8 +32,7 @@ __all__ = ["ContextBoTorch"]
 class _Fit:
     """What one training produced, and what arrived since (shared by updates)."""
 
-    net: nn.Module
-    posterior: ContextPosterior
+    posterior: ContextPosterior  # its model is the trained network
     evidence_per_point: float
     since_training: int
     trainings: int
@@ -168,7 +167,6 @@ class ContextBoTorch(Model):
         posterior = fit_posterior(s, net, Z, self.train_X, self.train_Y)
         previous = getattr(self, "_fit", None)
         self._fit = _Fit(
-            net,
             posterior,
             _evidence_per_point(posterior),
             since_training=0,
@@ -227,7 +225,6 @@ class ContextBoTorch(Model):
         new.train_X = torch.cat([self.train_X, X_t])
         new.train_Y = torch.cat([self.train_Y, Y_t])
         new._fit = _Fit(
-            self._fit.net,
             posterior,
             self._fit.evidence_per_point,
             since,
@@ -336,7 +333,7 @@ class ContextBoTorch(Model):
     @property
     def net(self) -> nn.Module:
         """The trained network of the last training."""
-        return self._fit.net
+        return self._fit.posterior.model
 
     @property
     def trainings(self) -> int:
