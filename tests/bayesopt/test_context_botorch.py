@@ -24,6 +24,7 @@ from botorch.acquisition import (  # noqa: E402
     LogExpectedImprovement,
     qLogExpectedImprovement,
 )
+from botorch.acquisition.objective import ScalarizedPosteriorTransform  # noqa: E402
 from botorch.models.transforms.input import Normalize  # noqa: E402
 from botorch.models.transforms.outcome import Standardize  # noqa: E402
 from botorch.optim import optimize_acqf  # noqa: E402
@@ -288,4 +289,32 @@ def test_input_transform_is_applied_at_training_update_and_prediction():
         theirs.distribution.covariance_matrix.detach(),
         ours.distribution.covariance_matrix.detach(),
         **tol,
+    )
+
+
+def test_a_given_noise_variance_is_kept_and_only_delta_is_tuned():
+    model = _model(noise_var=0.04)
+    post = model.context_posterior
+    assert float(post.sigma_noise) == pytest.approx(0.2, rel=1e-12)
+    assert float(post.prior_precision) != 1.0  # δ was tuned from its start, 1
+    updated = model.condition_on_observations(*_data(2, 5))
+    assert float(updated.context_posterior.sigma_noise) == pytest.approx(0.2)
+
+
+def test_posterior_transform_is_applied_last():
+    model = _model(outputs=2, outcome_transform=Standardize(m=2))
+    x_star = _data(3, 9)[0]
+    weights = torch.tensor([0.3, -2.0], dtype=torch.float64)
+    both = model.posterior(x_star)
+    scalar = model.posterior(
+        x_star, posterior_transform=ScalarizedPosteriorTransform(weights)
+    )
+    cov = both.distribution.covariance_matrix.detach()  # (3·2)², input-major
+    W = torch.block_diag(*[weights[None]] * 3)  # (3, 6)
+    exact = dict(rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        scalar.mean.detach().squeeze(-1), both.mean.detach() @ weights, **exact
+    )
+    torch.testing.assert_close(
+        scalar.distribution.covariance_matrix.detach(), W @ cov @ W.T, **exact
     )
