@@ -29,7 +29,12 @@ from laplace.utils import Kron
 from torch import nn
 
 from ..jacobians._backpack_run import run_extension
-from ..jacobians._engine import parameter_jacobians, per_sample_gradients
+from ..jacobians._engine import (
+    JacobianFactors,
+    jacobian_factors,
+    parameter_jacobians,
+    per_sample_gradients,
+)
 from ..jacobians._inputs import check_mapping_or_tensor_batch, check_tensor_batch
 from ..jacobians._last_layer import last_layer_jacobians
 from ._chunking import (
@@ -121,6 +126,37 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
             last_layer=False,
         )
         return self._select(Js), f
+
+    def jacobian_factors(
+        self, x: torch.Tensor | Mapping[str, Any], enable_backprop: bool = False
+    ) -> JacobianFactors:
+        """The per-layer factors of :meth:`jacobians`, never assembled into ``J``.
+
+        What :func:`laplace_diffjac.kernels.ntk` contracts layer by layer. Not
+        restricted to a subnetwork (``subnetwork_indices`` select columns of the
+        assembled ``J``).
+
+        Parameters
+        ----------
+        x : torch.Tensor or Mapping
+            Input batch ``(batch, *input_shape)`` or a dict-like batch.
+        enable_backprop : bool, default=False
+            Keep the factors connected to the graph of ``x`` and the parameters.
+
+        Returns
+        -------
+        JacobianFactors
+            Factors keyed by ``id`` of each entry of ``self.params``.
+
+        """
+        check_mapping_or_tensor_batch(x, self.model, self._name)
+        return jacobian_factors(
+            self.model,
+            x,
+            self.params,
+            root=self._model,  # type: ignore[attr-defined]
+            enable_backprop=enable_backprop,
+        )
 
     def last_layer_jacobians(
         self, x: torch.Tensor | Mapping[str, Any], enable_backprop: bool = False

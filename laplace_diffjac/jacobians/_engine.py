@@ -23,13 +23,14 @@ point leaves the model as it was.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidInputError
-from ._assembly import assemble
+from ._assembly import Factors, Product, assemble
 from ._derivatives import (
     FORWARDS,
     check_batch_first,
@@ -42,6 +43,151 @@ from ._layer_calls import recorded_calls
 from ._model_guard import preserved_state
 from ._sequence_first import batch_first_encoders
 from ._warnings import quiet_full_backward_hook_warning
+
+
+@dataclass(frozen=True)
+class JacobianFactors:
+    """The per-layer factors of a batch's parameter Jacobians, never assembled.
+
+    Attributes
+    ----------
+    factors : dict
+        ``id(param) -> [factors, ...]`` (:mod:`._assembly`: ``Product``,
+        ``Summed``, ``Scattered``, ``Dense``), one entry per module call that uses
+        the parameter; parameters without an entry have zero Jacobian columns.
+    f : torch.Tensor
+        Model output as returned by the model, ``(batch, C)`` or ``(batch,)``.
+    n_rows : int
+        Rows ``V`` per sample: outputs, or selected outputs.
+    batch : int
+        Samples ``B``.
+
+    """
+
+    factors: dict[int, list[Factors]]
+    f: torch.Tensor
+    n_rows: int
+    batch: int
+
+    def to(self, dtype: torch.dtype) -> JacobianFactors:
+        """The same factors in floating dtype ``dtype`` (indices stay integer)."""
+        if self.f.dtype == dtype:
+            return self
+        cast = {
+            key: [_cast(entry, dtype) for entry in entries]
+            for key, entries in self.factors.items()
+        }
+        return JacobianFactors(cast, self.f.to(dtype), self.n_rows, self.batch)
+
+    @staticmethod
+    def cat(parts: Sequence[JacobianFactors]) -> JacobianFactors:
+        """Factors of consecutive batches of one model, as one batch."""
+        first = parts[0]
+        factors = {
+            key: [
+                _cat_entries([p.factors[key][i] for p in parts])
+                for i in range(len(entries))
+            ]
+            for key, entries in first.factors.items()
+        }
+        f = torch.cat([p.f for p in parts])
+        return JacobianFactors(factors, f, first.n_rows, sum(p.batch for p in parts))
+
+    def detach(self) -> JacobianFactors:
+        """The same factors, cut from the graph."""
+        factors = {
+            key: [_mapped(e, lambda t: t.detach()) for e in entries]
+            for key, entries in self.factors.items()
+        }
+        return JacobianFactors(factors, self.f.detach(), self.n_rows, self.batch)
+
+    def assembled(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The Jacobian ``(batch, V, P)`` of ``params``, in their column order."""
+        return assemble(self.factors, params, self.n_rows, self.batch, self.f)
+
+
+def _mapped(entry: Factors, fn: Callable[[torch.Tensor], torch.Tensor]) -> Factors:
+    """``entry`` with ``fn`` applied to each of its floating tensors."""
+    changes = {
+        name: fn(value)
+        for name, value in vars(entry).items()
+        if isinstance(value, torch.Tensor) and value.is_floating_point()
+    }
+    return replace(entry, **changes)
+
+
+def _cast(entry: Factors, dtype: torch.dtype) -> Factors:
+    return _mapped(entry, lambda t: t.to(dtype))
+
+
+def _cat_entries(entries: Sequence[Factors]) -> Factors:
+    """One factor from the same module's factors of consecutive batches.
+
+    Batch-first tensors (``Product``'s signals and inputs, ``Scattered``'s index)
+    are joined along dimension 0, row-first ones along dimension 1.
+
+    Returns
+    -------
+    Factors
+        The joined factor, of the kind of ``entries[0]``.
+
+    """
+    first = entries[0]
+    joined = {}
+    for name in vars(first):
+        dim = 0 if isinstance(first, Product) or name == "index" else 1
+        joined[name] = torch.cat([vars(e)[name] for e in entries], dim=dim)
+    return replace(first, **joined)
+
+
+def jacobian_factors(
+    model: nn.Module,
+    x: torch.Tensor | Mapping,
+    params: Sequence[torch.Tensor],
+    *,
+    root: nn.Module | None = None,
+    enable_backprop: bool = False,
+    selected_outputs: torch.Tensor | None = None,
+) -> JacobianFactors:
+    """Per-layer factors of the per-sample Jacobians with respect to ``params``.
+
+    Steps 1 to 3 of the module docstring without the final write of ``J``: what
+    :func:`parameter_jacobians` assembles, and what the NTK contracts layer by
+    layer (:mod:`laplace_diffjac.kernels`). Arguments as for
+    :func:`parameter_jacobians`.
+
+    Returns
+    -------
+    JacobianFactors
+        The factors, differentiable with respect to ``x`` and the parameters if
+        ``enable_backprop``, else detached.
+
+    """
+    root = model if root is None else root
+    modules = owning_modules(root, params)
+    batch = batch_size(x)
+    x_in = x if enable_backprop else detached(x)
+    with preserved_state(model), torch.enable_grad():
+        rewritten = rewritten_modules(model, modules)
+        recording = recorded_calls(modules, FORWARDS, rewritten)
+        with recording as calls, batch_first_encoders(model):
+            # the composite attention kernel: batched and double backward work
+            with sdpa_kernel([SDPBackend.MATH]):
+                f = check_model_output(model(x_in), batch)
+        check_batch_first(calls, batch, root)
+        f2 = f if f.dim() == 2 else f.unsqueeze(1)
+        signals = _output_signals(f2, selected_outputs)
+        targets = [c.signal_targets() for c in calls]
+        with quiet_full_backward_hook_warning():  # hooks of a user-extended model
+            flat = _batched_grad(
+                f2, [t for ts in targets for t in ts], signals, enable_backprop
+            )
+        grads = _regroup(flat, targets)
+        with torch.set_grad_enabled(enable_backprop):
+            factors = param_jacobian_factors(calls, grads, params)
+    if not enable_backprop:
+        f = f.detach()
+    return JacobianFactors(factors, f, int(signals.shape[0]), batch)
 
 
 def parameter_jacobians(
@@ -82,32 +228,19 @@ def parameter_jacobians(
         Model output as returned by the model, ``(batch, C)`` or ``(batch,)``.
 
     """
-    root = model if root is None else root
-    modules = owning_modules(root, params)
-    batch = batch_size(x)
-    x_in = x if enable_backprop else detached(x)
-    with preserved_state(model), torch.enable_grad():
-        rewritten = rewritten_modules(model, modules)
-        recording = recorded_calls(modules, FORWARDS, rewritten)
-        with recording as calls, batch_first_encoders(model):
-            # the composite attention kernel: batched and double backward work
-            with sdpa_kernel([SDPBackend.MATH]):
-                f = check_model_output(model(x_in), batch)
-        check_batch_first(calls, batch, root)
-        f2 = f if f.dim() == 2 else f.unsqueeze(1)
-        signals = _output_signals(f2, selected_outputs)
-        targets = [c.signal_targets() for c in calls]
-        with quiet_full_backward_hook_warning():  # hooks of a user-extended model
-            flat = _batched_grad(
-                f2, [t for ts in targets for t in ts], signals, enable_backprop
-            )
-        grads = _regroup(flat, targets)
-        with torch.set_grad_enabled(enable_backprop):
-            factors = param_jacobian_factors(calls, grads, params)
-            Js = assemble(factors, params, signals.shape[0], batch, f)
+    parts = jacobian_factors(
+        model,
+        x,
+        params,
+        root=root,
+        enable_backprop=enable_backprop,
+        selected_outputs=selected_outputs,
+    )
+    with torch.set_grad_enabled(enable_backprop):
+        Js = parts.assembled(params)
     if not enable_backprop:
-        return Js.detach(), f.detach()
-    return Js, f
+        return Js.detach(), parts.f
+    return Js, parts.f
 
 
 def per_sample_gradients(

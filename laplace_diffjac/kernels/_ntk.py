@@ -8,10 +8,16 @@ Two routes compute it:
 * the general route asks a backend (any of :mod:`laplace_diffjac.backends`) for
   per-sample Jacobians block by block, so at most ``chunk_size`` Jacobians of each
   input live at once while the Gram is built;
-* the structured route, :func:`laplace_diffjac.kernels.structured_ntk`, never
-  forms ``J`` (chains of Linear layers and elementwise activations). It is used
-  automatically when the model supports it, the prior is scalar and the backend
-  takes all parameters (no last-layer or subnetwork restriction).
+* the structured routes never form ``J``: for ``nn.Sequential`` chains of Linear
+  layers and elementwise activations with a scalar prior,
+  :func:`laplace_diffjac.kernels.structured_ntk`; for every other model of the
+  BackPACK backends (``DiffBackPackGGN``, ``DiffBackPackEF``: classes, residual
+  and shared layers, convolutions, norms, embeddings, attention, recurrent layers,
+  dict inputs) the engine's per-layer factors, contracted layer by layer
+  (:mod:`._factor_gram`), with scalar, per-layer or per-parameter priors. Both
+  are used automatically when the backend takes all parameters (no last-layer or
+  subnetwork restriction) and ``structured`` is not ``False``;
+  ``DiffFuncGGN``, last-layer and subnetwork backends use the general route.
 
 Both routes are differentiable with respect to ``x1``, ``x2`` and the parameters
 whenever gradients are enabled.
@@ -19,12 +25,14 @@ whenever gradients are enabled.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Union
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, Union, runtime_checkable
 
 import torch
 
 from ..backends import JacobianBackend
+from ..jacobians._engine import JacobianFactors
+from ._factor_gram import factor_gram
 from ._structured import structured_ntk, supports_structured_ntk
 
 PriorPrecision = Union[float, torch.Tensor]
@@ -33,6 +41,7 @@ __all__ = [
     "flat_gram",
     "gram",
     "jacobians",
+    "factor_route_applies",
     "n_jacobian_columns",
     "ntk",
     "ntk_diag",
@@ -131,7 +140,15 @@ def flat_gram(
     return gram(J1, J2, prior_var).permute(0, 2, 1, 3).reshape(B1 * C, B2 * C)
 
 
-def _chunks(x: torch.Tensor, size: int) -> list[torch.Tensor]:
+def _chunks(x: Any, size: int) -> list[Any]:
+    """Split a batch (a tensor, or a mapping of tensors sharing dim 0) into chunks."""
+    if isinstance(x, Mapping):
+        n = len(next(iter(x.values())))
+        starts = range(0, n, size) if n else [0]
+        return [
+            type(x)({k: v[s : s + size] for k, v in x.items()})  # type: ignore[call-arg]
+            for s in starts
+        ]
     return list(torch.split(x, size, dim=0)) if x.shape[0] else [x]
 
 
@@ -194,6 +211,46 @@ def structured_applies(backend: JacobianBackend, prior_var: torch.Tensor) -> boo
     if getattr(backend, "subnetwork_indices", None) is not None:
         return False
     return supports_structured_ntk(backend.model, list(backend.params))
+
+
+@runtime_checkable
+class _FactorBackend(Protocol):
+    """A backend that hands out the per-layer factors of its Jacobians."""
+
+    def jacobian_factors(self, x: Any, enable_backprop: bool = False) -> Any: ...
+
+
+def factor_route_applies(backend: JacobianBackend) -> bool:
+    """Whether :func:`ntk` can contract this backend's per-layer factors.
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        The backend whose Jacobians the Gram would contract.
+
+    Returns
+    -------
+    bool
+        ``True`` for ``DiffBackPackGGN`` and ``DiffBackPackEF`` over all their
+        parameters (neither last-layer nor subnetwork), with any prior.
+
+    """
+    if not isinstance(backend, _FactorBackend):
+        return False
+    if getattr(backend, "last_layer", False):
+        return False
+    return getattr(backend, "subnetwork_indices", None) is None
+
+
+def _factors_of(
+    backend: JacobianBackend, dtype: torch.dtype | None
+) -> Callable[[torch.Tensor], JacobianFactors]:
+    def factors(x: torch.Tensor) -> JacobianFactors:
+        enable = torch.is_grad_enabled()
+        parts = backend.jacobian_factors(x, enable_backprop=enable)  # type: ignore[attr-defined]
+        return parts if dtype is None else parts.to(dtype)
+
+    return factors
 
 
 def _structured_route(
@@ -269,17 +326,23 @@ def ntk(
     prior_var = prior_variance(
         prior_precision,
         n_params,
-        torch.empty((), device=x1.device, dtype=dtype or _param_dtype(backend)),
+        torch.empty(
+            (), device=_param_device(backend), dtype=dtype or _param_dtype(backend)
+        ),
     )
     route = None if structured is False else _structured_route(backend, prior_var)
-    if structured and route is None:
+    use_factors = structured is not False and factor_route_applies(backend)
+    if structured and route is None and not use_factors:
         raise ValueError(
-            "The structured NTK route does not apply here (the model is not a chain "
-            "of Linear layers and elementwise activations, the prior is not scalar, "
-            "or the backend is last-layer/subnetwork)."
+            "The structured NTK route does not apply here: it needs DiffBackPackGGN "
+            "or DiffBackPackEF over all parameters (not last-layer or subnetwork), "
+            "or an nn.Sequential chain of Linear layers and elementwise activations "
+            "with a scalar prior. Pass structured=None to fall back to Jacobians."
         )
     if route is not None:
         return _blocks(x1, x2, chunk_size, route, dtype)
+    if use_factors:
+        return _factor_blocks(backend, x1, x2, symmetric, chunk_size, prior_var, dtype)
     jac = _jacobian_fn(backend)
 
     def block_from(J1: torch.Tensor, x2c: torch.Tensor, same: bool) -> torch.Tensor:
@@ -330,8 +393,19 @@ def ntk_diag(
     prior_var = prior_variance(
         prior_precision,
         n_jacobian_columns(backend),
-        torch.empty((), device=x.device, dtype=dtype or _param_dtype(backend)),
+        torch.empty(
+            (), device=_param_device(backend), dtype=dtype or _param_dtype(backend)
+        ),
     )
+    if factor_route_applies(backend):
+        factors = _factors_of(backend, dtype)
+        params = list(backend.params)
+        parts = [
+            factor_gram(factors(xc), None, params, prior_var)
+            for xc in _chunks(x, chunk_size)
+        ]
+        diag = torch.cat(parts, dim=0)
+        return diag if dtype is None else diag.to(dtype)
     jac = _jacobian_fn(backend)
     out = []
     for xc in _chunks(x, chunk_size):
@@ -352,6 +426,27 @@ def _blocks(
     for x1c in _chunks(x1, chunk_size):
         cols = [block(x1c, x2c) for x2c in _chunks(x2, chunk_size)]
         row = torch.cat(cols, dim=1)
+        rows.append(row if dtype is None else row.to(dtype))
+    return torch.cat(rows, dim=0)
+
+
+def _factor_blocks(
+    backend: JacobianBackend,
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    symmetric: bool,
+    chunk_size: int,
+    prior_var: torch.Tensor,
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """:func:`ntk` from per-layer factors, each chunk's factors computed once."""
+    factors = _factors_of(backend, dtype)
+    params = list(backend.params)
+    left = [factors(c) for c in _chunks(x1, chunk_size)]
+    right = left if symmetric else [factors(c) for c in _chunks(x2, chunk_size)]
+    rows = []
+    for f1 in left:
+        row = torch.cat([factor_gram(f1, f2, params, prior_var) for f2 in right], 1)
         rows.append(row if dtype is None else row.to(dtype))
     return torch.cat(rows, dim=0)
 
@@ -380,3 +475,7 @@ def n_jacobian_columns(backend: JacobianBackend) -> int:
 
 def _param_dtype(backend: JacobianBackend) -> torch.dtype:
     return next(iter(backend.model.parameters())).dtype
+
+
+def _param_device(backend: JacobianBackend) -> torch.device:
+    return next(iter(backend.model.parameters())).device

@@ -7,6 +7,11 @@ locations, so the optimiser computes them once and reuses them at every step:
 * :class:`StructuredRoute` (chains of Linear layers and elementwise activations,
   scalar prior): the pieces are :class:`laplace_diffjac.kernels.NTKFeatures`,
   ``B (width_in + C width_out)`` numbers per layer, never ``J``;
+* :class:`FactorRoute` (``DiffBackPackGGN``/``DiffBackPackEF`` over all
+  parameters, any module structure, any prior): the pieces are the engine's
+  per-layer factors (:class:`~laplace_diffjac.jacobians._engine.JacobianFactors`),
+  contracted layer by layer (:func:`laplace_diffjac.kernels._factor_gram.factor_gram`),
+  never ``J``;
 * :class:`JacobianRoute` (any backend, any prior): the pieces are the Jacobians
   ``(B, C, P)``.
 
@@ -23,17 +28,31 @@ from typing import Union
 import torch
 
 from ...backends import JacobianBackend
+from ...jacobians._engine import JacobianFactors
 from ...kernels import PriorPrecision, jacobians, n_jacobian_columns
 from ...kernels._cross_gram import cross_feature_gram
-from ...kernels._ntk import flat_gram, prior_variance, structured_applies
+from ...kernels._factor_gram import factor_gram
+from ...kernels._ntk import (
+    factor_route_applies,
+    flat_gram,
+    prior_variance,
+    structured_applies,
+)
 from ...kernels._structured import structured_features
 from ...kernels._structured_features import NTKFeatures, feature_diag
 from ...kernels._symmetric_gram import symmetric_feature_gram
 
-Pieces = Union[NTKFeatures, torch.Tensor]
+Pieces = Union[NTKFeatures, JacobianFactors, torch.Tensor]
 _F64 = torch.float64
 
-__all__ = ["JacobianRoute", "Pieces", "Route", "StructuredRoute", "make_route"]
+__all__ = [
+    "FactorRoute",
+    "JacobianRoute",
+    "Pieces",
+    "Route",
+    "StructuredRoute",
+    "make_route",
+]
 
 
 @dataclass(frozen=True)
@@ -100,7 +119,53 @@ class JacobianRoute:
         return torch.cat([_jacobians(p) for p in parts])
 
 
-Route = Union[StructuredRoute, JacobianRoute]
+@dataclass(frozen=True)
+class FactorRoute:
+    """Grams from the engine's per-layer factors (:mod:`.._factor_gram`)."""
+
+    backend: JacobianBackend
+    prior_var: torch.Tensor
+
+    def pieces(self, x: torch.Tensor, graph: bool) -> JacobianFactors:
+        """Factors of ``x`` ``(B, *input_shape)``; graph-connected if ``graph``."""
+        if graph:
+            parts = self.backend.jacobian_factors(x, enable_backprop=True)  # type: ignore[attr-defined]
+            return parts.to(_F64)
+        with torch.no_grad():
+            parts = self.backend.jacobian_factors(x, enable_backprop=False)  # type: ignore[attr-defined]
+            return parts.to(_F64).detach()
+
+    def _gram(self, a: Pieces, b: Pieces) -> torch.Tensor:
+        left, right = _factors(a), _factors(b)
+        K = factor_gram(left, right, list(self.backend.params), self.prior_var)
+        B1, B2, C1, C2 = K.shape
+        return K.permute(0, 2, 1, 3).reshape(B1 * C1, B2 * C2)
+
+    def cross(self, a: Pieces, b: Pieces) -> torch.Tensor:
+        """``(B1 C, B2 C)`` prior-scaled Gram, input-major."""
+        return self._gram(a, b)
+
+    def self_gram(self, a: Pieces) -> torch.Tensor:
+        """``(B C, B C)`` Gram of a batch with itself."""
+        return self._gram(a, a)
+
+    def diag(self, a: Pieces) -> torch.Tensor:
+        """``(B, C, C)`` per-input blocks."""
+        return factor_gram(_factors(a), None, list(self.backend.params), self.prior_var)
+
+    @staticmethod
+    def cat(parts: Sequence[Pieces]) -> JacobianFactors:
+        """Concatenate pieces of consecutive batches."""
+        return JacobianFactors.cat([_factors(p) for p in parts])
+
+
+Route = Union[StructuredRoute, FactorRoute, JacobianRoute]
+
+
+def _factors(p: Pieces) -> JacobianFactors:
+    if not isinstance(p, JacobianFactors):
+        raise TypeError("The factor route takes JacobianFactors pieces.")
+    return p
 
 
 def _features(p: Pieces) -> NTKFeatures:
@@ -137,7 +202,7 @@ def make_route(
 
     Returns
     -------
-    StructuredRoute or JacobianRoute
+    StructuredRoute, FactorRoute or JacobianRoute
 
     Raises
     ------
@@ -150,11 +215,14 @@ def make_route(
     prior_var = prior_variance(prior_precision, n_jacobian_columns(backend), like)
     if structured is not False and structured_applies(backend, prior_var):
         return StructuredRoute(backend, prior_var)
+    if structured is not False and factor_route_applies(backend):
+        return FactorRoute(backend, prior_var)
     if structured:
         raise ValueError(
-            "structured=True, but the structured route does not apply (the model "
-            "is not a chain of Linear layers and elementwise activations, the "
-            "prior is per-parameter, or the backend is last-layer/subnetwork); "
-            "pass structured=None or False."
+            "structured=True, but no structured route applies: it needs "
+            "DiffBackPackGGN or DiffBackPackEF over all parameters (not "
+            "last-layer or subnetwork), or an nn.Sequential chain of Linear layers "
+            "and elementwise activations with a scalar prior; pass structured=None "
+            "or False."
         )
     return JacobianRoute(backend, prior_var)

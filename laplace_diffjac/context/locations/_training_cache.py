@@ -67,7 +67,7 @@ class TrainingCache:
 
     Parameters
     ----------
-    route : StructuredRoute or JacobianRoute
+    route : StructuredRoute, FactorRoute or JacobianRoute
         How kernel pieces are computed.
     X : torch.Tensor
         Training inputs ``(N, *input_shape)`` in the model's dtype.

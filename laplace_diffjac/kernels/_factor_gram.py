@@ -1,0 +1,232 @@
+"""``J(x1) Σ₀ J(x2)ᵀ`` from the engine's per-layer factors, never all of ``J``.
+
+The Jacobian engine (:func:`laplace_diffjac.jacobians._engine.jacobian_factors`)
+gives, for every parameter, factors of its Jacobian block (:mod:`._assembly`):
+
+``Product``  ``J[b, v, o, k] = Σ_l g[b, v, o, l] a[b, l, k]`` (Linear over ``L``
+             tokens, Conv over ``L`` positions, attention projections, RNN weights)
+``Summed``   ``J[b, v, o] = Σ_l g[v, b, o, l]`` (biases)
+``Scattered`` ``J[b, v, s, k] = Σ_l [index[b, l] = s] g[v, b, l, k]`` (Embedding)
+``Dense``    a materialised block (norm scales, PReLU, BackPACK's ``param_mjp``)
+
+For each parameter, the Gram of its block is computed by the cheaper of two
+routes, counted in multiply-adds (as neural-tangents' structured derivatives
+choose, Novak et al. 2022, "Fast finite width neural tangent kernel"):
+
+* the **factor route** contracts the factors of both batches directly, e.g. for a
+  Product ``Σ_{l,m} (a1_l·a2_m) (g1_l g2_mᵀ)``, which for a Linear layer without
+  tokens costs ``B1 B2 (K + V² O)`` instead of ``B1 B2 V² O K``;
+* the **block route** writes that one parameter's block ``(B, V, n)`` for each
+  batch and contracts it: cheaper for convolutions with many positions.
+
+Only one parameter's block lives at a time, never the ``(B, V, P)`` Jacobian.
+Everything is ordinary autograd on the factors, so the Gram is differentiable
+with respect to both inputs and the parameters whenever the factors are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..jacobians._assembly import Factors, Product, Scattered, Summed, assemble
+from ..jacobians._engine import JacobianFactors
+
+#: A factor route may hold at most this many times the block route's elements.
+_MEMORY_RATIO = 4
+
+
+def factor_gram(
+    left: JacobianFactors,
+    right: JacobianFactors | None,
+    params: Sequence[torch.Tensor],
+    prior_var: torch.Tensor,
+) -> torch.Tensor:
+    """Prior-scaled Gram of two batches' Jacobians from their factors.
+
+    Parameters
+    ----------
+    left : JacobianFactors
+        Factors of batch 1, ``B1`` samples, ``V`` rows.
+    right : JacobianFactors or None
+        Factors of batch 2 (``B2`` samples, ``V`` rows); ``None`` gives the
+        per-sample diagonal blocks of ``left`` with itself.
+    params : sequence of torch.Tensor
+        The parameters in the Jacobians' column order.
+    prior_var : torch.Tensor
+        ``()`` or ``(P,)`` prior variance, in that column order.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B1, B2, V, V)`` with entry ``[a, b, c, e] = J_c(x1_a) Σ₀ J_e(x2_b)ᵀ``, or
+        ``(B1, V, V)`` for ``right=None``.
+
+    """
+    diagonal = right is None
+    other = left if right is None else right
+    shape = (left.batch, left.n_rows, left.n_rows)
+    if not diagonal:
+        shape = (left.batch, other.batch, left.n_rows, other.n_rows)
+    dtype = torch.promote_types(left.f.dtype, prior_var.dtype)
+    total = torch.zeros(shape, dtype=dtype, device=left.f.device)
+    start = 0
+    for p in params:
+        size = p.numel()
+        var = prior_var if prior_var.dim() == 0 else prior_var[start : start + size]
+        start += size
+        entries1 = left.factors.get(id(p), [])
+        entries2 = other.factors.get(id(p), [])
+        if not entries1 or not entries2:
+            continue
+        scale = _constant(var)
+        cheaper = _factor_route_cheaper(entries1, entries2, diagonal, size)
+        if scale is not None and cheaper:
+            block = sum(
+                _pair_gram(e1, e2, diagonal) for e1 in entries1 for e2 in entries2
+            )
+            total = total + scale * block
+        else:
+            total = total + _block_gram(left, other, p, var, diagonal)
+    return total
+
+
+def _constant(var: torch.Tensor) -> torch.Tensor | None:
+    """``var`` as a scalar if it is one (or is constant and needs no gradient)."""
+    if var.dim() == 0:
+        return var
+    if var.requires_grad or not bool((var == var[0]).all()):
+        return None
+    return var[0]
+
+
+def _block_gram(
+    left: JacobianFactors,
+    right: JacobianFactors,
+    p: torch.Tensor,
+    var: torch.Tensor,
+    diagonal: bool,
+) -> torch.Tensor:
+    """The block route: write ``p``'s block for both batches and contract."""
+    J1 = assemble(left.factors, [p], left.n_rows, left.batch, left.f)
+    J1v = J1 * var
+    if diagonal:
+        return torch.einsum("bvn,bwn->bvw", J1v, J1)
+    J2 = assemble(right.factors, [p], right.n_rows, right.batch, right.f)
+    return torch.einsum("bvn,cwn->bcvw", J1v, J2)
+
+
+def _factor_route_cheaper(
+    entries1: list[Factors], entries2: list[Factors], diagonal: bool, size: int
+) -> bool:
+    """Whether every pair has a factor route, together cheaper than the block route.
+
+    ``size`` is the parameter's number of entries, the width of its block.
+
+    Returns
+    -------
+    bool
+        ``True`` if all pairs of entries have a factor route, its multiply-adds
+        are fewer than the block route's, and its largest intermediate holds at
+        most ``_MEMORY_RATIO`` times the block route's elements.
+
+    """
+    factor_cost, factor_memory = 0, 0
+    for e1 in entries1:
+        for e2 in entries2:
+            cost = _pair_cost(e1, e2, diagonal)
+            if cost is None:
+                return False
+            factor_cost += cost[0]
+            factor_memory = max(factor_memory, cost[1])
+    n_rows1, batch1 = _rows_and_batch(entries1[0])
+    n_rows2, batch2 = _rows_and_batch(entries2[0])
+    pairs = batch1 if diagonal else batch1 * batch2
+    written = entries1 if diagonal else entries1 + entries2
+    block_cost = sum(_write_cost(e, size) for e in written)
+    block_cost += pairs * n_rows1 * n_rows2 * size
+    block_memory = (batch1 * n_rows1 + (0 if diagonal else batch2 * n_rows2)) * size
+    if factor_memory > _MEMORY_RATIO * block_memory:
+        return False
+    return factor_cost < block_cost
+
+
+def _rows_and_batch(e: Factors) -> tuple[int, int]:
+    """Rows ``V`` and samples ``B`` of the block that ``e`` writes."""
+    if isinstance(e, Product):
+        return e.g.shape[1], e.g.shape[0]
+    if isinstance(e, (Summed, Scattered)):
+        return e.g.shape[0], e.g.shape[1]
+    return e.block.shape[0], e.block.shape[1]
+
+
+def _write_cost(e: Factors, size: int) -> int:
+    """Multiply-adds of writing ``e``'s block of ``size`` columns."""
+    n_rows, batch = _rows_and_batch(e)
+    positions = e.g.shape[3] if isinstance(e, Product) else 1
+    return n_rows * batch * size * positions
+
+
+def _pair_cost(e1: Factors, e2: Factors, diagonal: bool) -> tuple[int, int] | None:
+    """Multiply-adds and largest intermediate of the factor route, if it has one."""
+    if type(e1) is not type(e2) or not isinstance(e1, (Product, Summed, Scattered)):
+        return None
+    n_rows1, batch1 = _rows_and_batch(e1)
+    n_rows2, batch2 = _rows_and_batch(e2)
+    pairs = batch1 if diagonal else batch1 * batch2
+    rows = n_rows1 * n_rows2
+    if isinstance(e1, Summed):
+        return pairs * rows * e1.g.shape[2], pairs * rows
+    if isinstance(e1, Product):
+        assert isinstance(e2, Product)
+        (_, _, n_out, len1), len2 = e1.g.shape, e2.g.shape[3]
+        width = e1.a.shape[2]
+        if len1 == 1 and len2 == 1:
+            return pairs * (width + rows * n_out), pairs * rows
+        inputs = pairs * len1 * len2 * width
+        mixed = pairs * len1 * len2 * n_rows2 * n_out
+        return (
+            inputs + mixed + pairs * len1 * rows * n_out,
+            pairs * len1 * n_rows2 * n_out,
+        )
+    assert isinstance(e1, Scattered) and isinstance(e2, Scattered)
+    len1, width, len2 = e1.g.shape[2], e1.g.shape[3], e2.g.shape[2]
+    mixed = pairs * len1 * len2 * n_rows2 * width
+    return mixed + pairs * len1 * rows * width, pairs * len1 * n_rows2 * width
+
+
+def _pair_gram(e1: Factors, e2: Factors, diagonal: bool) -> torch.Tensor:
+    """The factor route for one pair of same-kind entries (see :func:`_pair_cost`).
+
+    Einsum letters: ``b``/``c`` samples of batch 1/2 (both ``b`` on the
+    diagonal), ``v``/``w`` rows, ``o`` outputs, ``l``/``m`` tokens, ``k`` inputs.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B1, B2, V, V)``, or ``(B1, V, V)`` on the diagonal; unscaled by the prior.
+
+    """
+    c = "b" if diagonal else "c"
+    pair = "b" if diagonal else "bc"
+    if isinstance(e1, Summed):
+        assert isinstance(e2, Summed)
+        s1, s2 = e1.g.sum(3), e2.g.sum(3)  # (V, B, out)
+        return torch.einsum(f"vbo,w{c}o->{pair}vw", s1, s2)
+    if isinstance(e1, Product):
+        assert isinstance(e2, Product)
+        if e1.g.shape[3] == 1 and e2.g.shape[3] == 1:
+            inputs = torch.einsum(f"bk,{c}k->{pair}", e1.a[:, 0], e2.a[:, 0])
+            signals = torch.einsum(f"bvo,{c}wo->{pair}vw", e1.g[..., 0], e2.g[..., 0])
+            return inputs[..., None, None] * signals
+        inputs = torch.einsum(f"blk,{c}mk->{pair}lm", e1.a, e2.a)
+        mixed = torch.einsum(f"{pair}lm,{c}wom->{pair}lwo", inputs, e2.g)
+        return torch.einsum(f"bvol,{pair}lwo->{pair}vw", e1.g, mixed)
+    assert isinstance(e1, Scattered) and isinstance(e2, Scattered)
+    if diagonal:
+        same = (e1.index[:, :, None] == e2.index[:, None, :]).to(e1.g.dtype)
+    else:
+        same = (e1.index[:, None, :, None] == e2.index[None, :, None, :]).to(e1.g.dtype)
+    mixed = torch.einsum(f"{pair}lm,w{c}mk->{pair}lwk", same, e2.g)
+    return torch.einsum(f"vblk,{pair}lwk->{pair}vw", e1.g, mixed)

@@ -1,0 +1,310 @@
+"""The NTK from the engine's per-layer factors against the per-sample autograd loop.
+
+Every module of the backends' module audit, plus class models (residual and
+shared layers, a CNN, token inputs through attention, dict inputs): ``ntk`` and
+``ntk_diag`` of ``DiffBackPackGGN`` (which contract the factors, never forming
+``J``) equal ``J Σ₀ Jᵀ`` of :func:`tests.references.loop_jacobians` to 1e-10 in
+float64, for scalar, per-layer and per-parameter priors; gradients with respect
+to the input and the parameters equal central differences of the loop's Gram.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+
+import pytest
+import torch
+from torch import nn
+
+from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN, UnsupportedModuleError
+from laplace_diffjac.jacobians import _engine
+from laplace_diffjac.kernels import _factor_gram, ntk, ntk_diag
+from laplace_diffjac.kernels._ntk import factor_route_applies
+from tests.backends.audit_cases import CASES
+from tests.references import central_difference, loop_jacobians
+
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _loop_gram(model, x1, x2, prior_var):
+    J1, _ = loop_jacobians(model, x1)
+    J2, _ = loop_jacobians(model, x2)
+    return torch.einsum("acp,p,bep->abce", J1.detach(), prior_var, J2.detach())
+
+
+def _prior_vars(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Scalar, per-layer (one value per parameter tensor) and per-parameter."""
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    gen = torch.Generator().manual_seed(4)
+    per_layer = torch.cat(
+        [torch.full((p.numel(),), 0.5 + i / len(params)) for i, p in enumerate(params)]
+    )
+    return {
+        "scalar": torch.tensor(0.7, dtype=torch.float64),
+        "per-layer": per_layer.double(),
+        "per-parameter": (0.5 + torch.rand(n, generator=gen)).double(),
+    }
+
+
+def _split(x):
+    if isinstance(x, Mapping):
+        return {k: v[:3] for k, v in x.items()}, {k: v[3:] for k, v in x.items()}
+    return x[:3], x[3:]
+
+
+def _check_gram(model, x) -> None:
+    backend = DiffBackPackGGN(model, "regression")
+    assert factor_route_applies(backend)
+    x1, x2 = _split(x)
+    for name, prior_var in _prior_vars(model).items():
+        precision = prior_var.reciprocal()
+        reference = _loop_gram(model, x1, x2, prior_var.expand(backend_columns(model)))
+        with torch.no_grad():
+            K = ntk(backend, x1, x2, prior_precision=precision, structured=True)
+            Kd = ntk_diag(backend, x1, prior_precision=precision)
+        torch.testing.assert_close(K, reference, **TOL, msg=name)
+        own = _loop_gram(model, x1, x1, prior_var.expand(backend_columns(model)))
+        diag = torch.diagonal(own, dim1=0, dim2=1).permute(2, 0, 1)
+        torch.testing.assert_close(Kd, diag, **TOL, msg=name)
+
+
+def backend_columns(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _weights(shape) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(5)).double()
+
+
+def _scalar_of_gram(K: torch.Tensor) -> torch.Tensor:
+    """A fixed function of the Gram with non-trivial second derivatives."""
+    return (_weights(K.shape) * K).sum() + (K * K).sum()
+
+
+def _shifted(model, direction, t):
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, d in zip(moved.parameters(), direction):
+            p.add_(t * d)
+    return moved
+
+
+def _check_gradients(model, x) -> None:
+    """Gradients of a function of ``ntk(x, x2)`` in ``x`` and the parameters."""
+    x1, x2 = _split(x)
+    var = torch.tensor(0.7, dtype=torch.float64)
+    columns = backend_columns(model)
+    floating = isinstance(x1, torch.Tensor) and x1.is_floating_point()
+    x_in = x1.clone().requires_grad_(True) if floating else x1
+    K = ntk(DiffBackPackGGN(model, "regression"), x_in, x2, prior_precision=1 / var)
+    leaves = list(model.parameters()) + ([x_in] if floating else [])
+    grads = torch.autograd.grad(_scalar_of_gram(K), leaves, allow_unused=True)
+    grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
+    gen = torch.Generator().manual_seed(6)
+    direction = [
+        torch.randn(p.shape, generator=gen).double() for p in model.parameters()
+    ]
+    for m in model.modules():  # the padding row's gradient is zero by definition
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None:
+            index = [i for i, p in enumerate(model.parameters()) if p is m.weight][0]
+            direction[index][m.padding_idx] = 0
+    along = sum((g * d).sum() for g, d in zip(grads, direction))
+
+    def moved(t: float) -> torch.Tensor:
+        shifted = _shifted(model, direction, t)
+        return _scalar_of_gram(_loop_gram(shifted, x1, x2, var.expand(columns)))
+
+    torch.testing.assert_close(along, central_difference(moved), rtol=1e-6, atol=1e-8)
+    if floating:
+        u = torch.randn(x1.shape, generator=gen).double()
+        expected = central_difference(
+            lambda t: _scalar_of_gram(
+                _loop_gram(model, x1 + t * u, x2, var.expand(columns))
+            )
+        )
+        torch.testing.assert_close(
+            (grads[-1] * u).sum(), expected, rtol=1e-6, atol=1e-8
+        )
+
+
+def _refused(model: nn.Module, x: torch.Tensor) -> bool:
+    try:
+        DiffBackPackGGN(model, "regression").jacobians(x[:1])
+    except UnsupportedModuleError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_audited_module_gram_equals_loop_or_is_refused_alike(name: str) -> None:
+    """Where the backend refuses a module (the audit checks why), so does ``ntk``."""
+    case = CASES[name]
+    model, x = case.model(), case.inputs()
+    if not _refused(model, x):
+        _check_gram(model, x)
+        return
+    with pytest.raises(UnsupportedModuleError):
+        ntk(DiffBackPackGGN(model, "regression"), x, structured=True)
+
+
+GRADIENT_CASES = [
+    "Linear",
+    "Conv2d",
+    "Conv1d-circular-same",
+    "LayerNorm",
+    "BatchNorm2d",
+    "Embedding",
+    "MultiheadAttention",
+    "TransformerEncoderLayer",
+    "LSTM",
+    "PReLU",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GRADIENT_CASES)
+def test_audited_module_gram_gradients_equal_central_differences(name: str) -> None:
+    case = CASES[name]
+    _check_gradients(case.model(), case.inputs())
+
+
+class _Residual(nn.Module):
+    """A class MLP with a residual connection and a layer used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.shared, self.out = (
+            nn.Linear(4, 6),
+            nn.Linear(6, 6),
+            nn.Linear(6, 3),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = h + torch.tanh(self.shared(h))
+        return self.out(torch.tanh(self.shared(h)))
+
+
+class _SmallCNN(nn.Module):
+    """Conv2d, ReLU, max-pooling and a Linear head on 1×8×8 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 3, 3, padding=1)
+        self.conv2 = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
+        return self.head(torch.tanh(self.conv2(h)).flatten(1))
+
+
+class _TokenTransformer(nn.Module):
+    """Token and position embeddings, one encoder layer, mean-pooled Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(11, 8), nn.Embedding(5, 8)
+        self.encoder = nn.TransformerEncoderLayer(
+            8, 2, 12, dropout=0.0, batch_first=True
+        )
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        h = self.tokens(x) + self.positions(positions)
+        return self.head(self.encoder(h).mean(1))
+
+
+class _DictModel(nn.Module):
+    """Two named inputs, as a ``BatchEncoding``-like batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(4, 5), nn.Linear(2, 5), nn.Linear(5, 3)
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(batch["u"]) * self.b(batch["v"])))
+
+
+def _floats(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(7)).double()
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], object]]] = {
+    "residual-shared": (_Residual, lambda: _floats(5, 4)),
+    "cnn": (_SmallCNN, lambda: _floats(5, 1, 8, 8)),
+    "token-transformer": (
+        _TokenTransformer,
+        lambda: torch.randint(
+            0, 11, (5, 5), generator=torch.Generator().manual_seed(8)
+        ),
+    ),
+    "dict-inputs": (_DictModel, lambda: {"u": _floats(5, 4), "v": _floats(5, 2)}),
+}
+
+
+def _built(name: str):
+    make_model, make_x = MODELS[name]
+    torch.manual_seed(0)
+    return make_model().double().eval(), make_x()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_class_model_gram_equals_loop(name: str) -> None:
+    _check_gram(*_built(name))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_class_model_gram_gradients_equal_central_differences(name: str) -> None:
+    _check_gradients(*_built(name))
+
+
+def test_float32_gram_within_1e_5_of_float64_loop() -> None:
+    model64, x64 = _built("residual-shared")
+    model32 = copy.deepcopy(model64).float()
+    K = ntk(DiffBackPackGGN(model32, "regression"), x64.float(), structured=True)
+    reference = _loop_gram(
+        model64, x64, x64, torch.ones(backend_columns(model64)).double()
+    )
+    torch.testing.assert_close(K.double(), reference, rtol=1e-5, atol=1e-5)
+    K64 = ntk(DiffBackPackGGN(model32, "regression"), x64.float(), dtype=torch.float64)
+    assert K64.dtype == torch.float64
+    torch.testing.assert_close(K64, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_factor_route_never_assembles_all_parameters(monkeypatch) -> None:
+    """Only one parameter's block is ever written (for the block route)."""
+    model, x = _built("cnn")
+    written = []
+    original = _engine.assemble
+
+    def counting(factors, params, *args):
+        written.append(len(params))
+        return original(factors, params, *args)
+
+    monkeypatch.setattr(_engine, "assemble", counting)
+    monkeypatch.setattr(_factor_gram, "assemble", counting)
+    ntk(DiffBackPackGGN(model, "regression"), x, structured=True)
+    assert written, "the convolutions' blocks should take the block route"
+    assert all(n == 1 for n in written)
+
+
+def test_structured_true_refused_for_routes_without_factors() -> None:
+    model, x = _built("residual-shared")
+    with pytest.raises(ValueError, match="DiffBackPackGGN"):
+        ntk(DiffFuncGGN(model, "regression"), x, structured=True)
+
+
+def test_subnetwork_takes_the_jacobian_route_and_stays_right() -> None:
+    model, x = _built("residual-shared")
+    chosen = torch.tensor([0, 3, 17, 40, 60])
+    backend = DiffBackPackGGN(model, "regression", subnetwork_indices=chosen)
+    assert not factor_route_applies(backend)
+    J, _ = loop_jacobians(model, x)
+    J = J.detach()[..., chosen]
+    with torch.no_grad():
+        K = ntk(backend, x)
+    torch.testing.assert_close(K, torch.einsum("acp,bep->abce", J, J), **TOL)
