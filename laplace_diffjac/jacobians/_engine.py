@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,6 +94,26 @@ class JacobianFactors:
         f = torch.cat([p.f for p in parts])
         return JacobianFactors(factors, f, first.n_rows, sum(p.batch for p in parts))
 
+    def __getitem__(self, index: torch.Tensor | slice) -> JacobianFactors:
+        """The factors of the samples ``index`` selects."""
+        factors = {
+            key: [_batch_items(e, index) for e in entries]
+            for key, entries in self.factors.items()
+        }
+        f = self.f[index]
+        return JacobianFactors(factors, f, self.n_rows, int(f.shape[0]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the factors' tensors (a shared tensor counted each time)."""
+        return sum(
+            t.numel() * t.element_size()
+            for entries in self.factors.values()
+            for e in entries
+            for t in vars(e).values()
+            if isinstance(t, torch.Tensor)
+        )
+
     def detach(self) -> JacobianFactors:
         """The same factors, cut from the graph."""
         factors = {
@@ -108,11 +129,24 @@ class JacobianFactors:
 
 def _mapped(entry: Factors, fn: Callable[[torch.Tensor], torch.Tensor]) -> Factors:
     """``entry`` with ``fn`` applied to each of its floating tensors."""
-    changes = {
+    changes: dict[str, Any] = {
         name: fn(value)
         for name, value in vars(entry).items()
         if isinstance(value, torch.Tensor) and value.is_floating_point()
     }
+    return replace(entry, **changes)
+
+
+def _batch_dim(entry: Factors, name: str) -> int:
+    """The sample dimension of ``entry``'s tensor ``name`` (see :mod:`._assembly`)."""
+    return 0 if isinstance(entry, Product) or name == "index" else 1
+
+
+def _batch_items(entry: Factors, index: torch.Tensor | slice) -> Factors:
+    changes: dict[str, Any] = {}
+    for name, value in vars(entry).items():
+        where = (slice(None),) * _batch_dim(entry, name) + (index,)
+        changes[name] = value[where]
     return replace(entry, **changes)
 
 
@@ -133,9 +167,9 @@ def _cat_entries(entries: Sequence[Factors]) -> Factors:
 
     """
     first = entries[0]
-    joined = {}
+    joined: dict[str, Any] = {}
     for name in vars(first):
-        dim = 0 if isinstance(first, Product) or name == "index" else 1
+        dim = _batch_dim(first, name)
         joined[name] = torch.cat([vars(e)[name] for e in entries], dim=dim)
     return replace(first, **joined)
 

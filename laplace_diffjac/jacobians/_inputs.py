@@ -55,7 +55,68 @@ def check_tensor_batch(x: object, model: nn.Module, backend: str) -> torch.Tenso
             "one input."
         )
     _check_device_and_dtype(x, model, "Input", "x")
+    _check_against_first_linear(x, model, backend)
     return x
+
+
+def _first_leaf(model: nn.Module) -> nn.Module | None:
+    """The first module a (nested) ``nn.Sequential`` calls; ``None`` otherwise.
+
+    Only a ``Sequential`` fixes which module receives the input; a class may
+    register its layers in any order.
+
+    Returns
+    -------
+    torch.nn.Module or None
+        The first leaf, or ``None`` for an empty ``Sequential``.
+
+    """
+    while isinstance(model, nn.Sequential):
+        if len(model) == 0:
+            return None
+        model = model[0]
+    return model
+
+
+def _check_against_first_linear(
+    x: torch.Tensor, model: nn.Module, backend: str
+) -> None:
+    """Refuse inputs that a ``Sequential``'s first ``Linear`` cannot take.
+
+    PyTorch's own messages (``mat1 and mat2 ...``) name neither the argument nor
+    the fix, and come only once the model runs.
+
+    Raises
+    ------
+    InvalidInputError
+        For an integer or boolean ``x``, an unbatched 1-D ``x``, or a last
+        dimension other than the layer's ``in_features``.
+
+    """
+    if not isinstance(model, nn.Sequential):
+        return
+    first = _first_leaf(model)
+    if type(first) is not nn.Linear:
+        return
+    dtype = first.weight.dtype
+    if not (x.is_floating_point() or x.is_complex()):
+        raise InvalidInputError(
+            f"{backend}: x is a {x.dtype} tensor, but the model's first layer is "
+            f"{first!r}, which takes floating inputs; pass x.to({dtype}) (or put "
+            "an nn.Embedding first for token ids)."
+        )
+    if x.dim() == 1:
+        raise InvalidInputError(
+            f"{backend}: x has shape {tuple(x.shape)}, one dimension: an unbatched "
+            f"input. The first layer, {first!r}, needs (batch, {first.in_features}); "
+            f"pass x[None] for one sample, or x[:, None] for {x.shape[0]} samples "
+            "of one feature."
+        )
+    if x.shape[-1] != first.in_features:
+        raise InvalidInputError(
+            f"{backend}: x has shape {tuple(x.shape)}, but the first layer, "
+            f"{first!r}, needs its last dimension to be {first.in_features}."
+        )
 
 
 def check_mapping_or_tensor_batch(x: object, model: nn.Module, backend: str) -> int:

@@ -66,7 +66,7 @@ def factor_gram(
     """
     diagonal = right is None
     other = left if right is None else right
-    shape = (left.batch, left.n_rows, left.n_rows)
+    shape: tuple[int, ...] = (left.batch, left.n_rows, left.n_rows)
     if not diagonal:
         shape = (left.batch, other.batch, left.n_rows, other.n_rows)
     dtype = torch.promote_types(left.f.dtype, prior_var.dtype)

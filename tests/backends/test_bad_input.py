@@ -173,3 +173,27 @@ def test_attention_weights_in_the_output_point_to_functorch_backend(backend_cls)
     with pytest.raises(UnsupportedModuleError, match="DiffFuncGGN"):
         backend_cls(model, "regression").jacobians(x)
     assert_same_state(before, model_state(model))
+
+
+FIRST_LINEAR_INPUTS = {
+    "integer": (torch.zeros(4, 3, dtype=torch.long), "x.to"),
+    "unbatched 1-D": (torch.zeros(3, dtype=torch.float64), "x\\[None\\]"),
+    "wrong width": (torch.zeros(4, 5, dtype=torch.float64), "last dimension to be 3"),
+}
+
+
+@pytest.mark.parametrize("case", list(FIRST_LINEAR_INPUTS))
+@pytest.mark.parametrize("backend_cls", BACKENDS, ids=lambda c: c.__name__)
+def test_input_a_first_linear_cannot_take_is_named_before_the_model_runs(
+    backend_cls, case
+):
+    """Not PyTorch's raw ``mat1 and mat2`` error from inside the forward pass."""
+    x, fix = FIRST_LINEAR_INPUTS[case]
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    before = model_state(model)
+    with pytest.raises(InvalidInputError, match=fix):
+        backend_cls(model, "regression").jacobians(x)
+    assert not calls, "the model ran"
+    assert_same_state(before, model_state(model))

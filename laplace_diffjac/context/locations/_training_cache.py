@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...jacobians._engine import JacobianFactors
 from ...kernels import output_hessians
 from ._gap import pieces_trace
 from ._routes import Pieces, Route
@@ -145,5 +146,7 @@ class TrainingCache:
 def _nbytes(pieces: Pieces) -> int:
     if isinstance(pieces, torch.Tensor):
         return pieces.numel() * pieces.element_size()
+    if isinstance(pieces, JacobianFactors):
+        return pieces.nbytes
     tensors = [*pieces.inputs, *(g for g in pieces.signals if g is not None)]
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -13,6 +13,7 @@ from laplace_diffjac.context import (
     optimize_locations,
     random_subset,
 )
+from laplace_diffjac.context.locations._routes import FactorRoute, make_route
 from laplace_diffjac.kernels._likelihood_hessians import output_hessians
 from tests.conftest import CASES
 from tests.references import reference_jacobians
@@ -157,4 +158,51 @@ def test_cached_training_jacobians_change_nothing(likelihood):
     assert runs[0].history.objective == pytest.approx(runs[1].history.objective)
     assert runs[0].history.final_objective == pytest.approx(
         runs[1].history.final_objective
+    )
+
+
+class _ResidualNet(torch.nn.Module):
+    """A class model (no chain route): the optimiser takes the factor route."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(3, 6)
+        self.block = torch.nn.Linear(6, 6)
+        self.out = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(h + torch.tanh(self.block(h)))
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_factor_route_runs_as_the_jacobian_route(cache):
+    """Per-layer factors (cached or not) and Jacobians: the same run to 1e-8."""
+    model = _ResidualNet().double()
+    x = MLP.inputs(40, seed=3)
+    route = make_route(DiffBackPackGGN(model, "classification"), 1.0, None, x.device)
+    assert isinstance(route, FactorRoute)
+    runs = [
+        optimize_locations(
+            model,
+            "classification",
+            x,
+            3,
+            init="random",
+            steps=8,
+            batch_size=16,
+            patience=0,
+            progress_bar=False,
+            cache_jacobians=cache,
+            evaluate_full=True,
+            structured=structured,
+        )
+        for structured in (None, False)
+    ]
+    torch.testing.assert_close(
+        runs[0].locations, runs[1].locations, rtol=1e-8, atol=1e-8
+    )
+    assert runs[0].history.objective == pytest.approx(
+        runs[1].history.objective, rel=1e-8
     )
