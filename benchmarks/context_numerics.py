@@ -1,8 +1,8 @@
 """The context posterior's numerics: the evidence's δ against M, and its speed.
 
 ``python benchmarks/context_numerics.py evidence [--quick]`` re-measures the
-README's "Hyperparameters by evidence" table on the demo's regression (N = 400
-with a gap, 1-50-50-1 tanh MLP, σ = 0.1, seed 0): the prior precision chosen by
+"Hyperparameters by evidence" table (docs/posterior.md) on the demo's regression
+(N = 400 with a gap, 1-50-50-1 tanh MLP, σ = 0.1, seed 0): the prior precision chosen by
 ``ContextPosterior.optimize_prior_precision(method="marglik")`` with the default
 jitter, on M optimised locations (the demo's optimiser from a random start) and
 on ``Z = X``, beside laplace-torch's own float64 ``FullLaplace`` maximiser; and

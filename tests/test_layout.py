@@ -24,7 +24,7 @@ LAYERS = [
     "examples",
 ]
 
-#: Documented public names of each subpackage (README's Design section).
+#: Documented public names of each subpackage (docs/design.md, docs/api).
 SUBPACKAGE_NAMES = {
     "laplace_diffjac.jacobians": ["parameter_jacobians", "last_layer_jacobians"],
     "laplace_diffjac.backends": [

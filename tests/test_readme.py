@@ -1,19 +1,25 @@
-"""The README's example runs, and everything it claims about it holds."""
+"""The ten-line example (README and getting started) runs, and what it claims holds."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
+import pytest
 import torch
 
-from tests.readme import README, readme_block
+from tests.docs import README, block, page, readme_block
 from tests.references import reference_jacobians
 
+#: The ten lines, in the README and on the getting-started page.
+TEN_LINES = [(README, "readme-example"), (page("getting-started.md"), "docs-example")]
 
-def test_readme_example_runs_and_moves_only_x():
+
+@pytest.mark.parametrize(("path", "marker"), TEN_LINES, ids=["README", "docs"])
+def test_ten_line_example_runs_and_moves_only_x(path: Path, marker: str):
     namespace: dict = {}
     torch.manual_seed(0)
-    exec(compile(readme_block("readme-example"), "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(block(marker, path), path.name, "exec"), namespace)  # noqa: S102
     x, model, backend = namespace["x"], namespace["model"], namespace["backend"]
     assert all(p.grad is None for p in model.parameters())
     assert not any(m._forward_hooks or m._backward_hooks for m in model.modules())
@@ -33,7 +39,7 @@ def test_readme_example_runs_and_moves_only_x():
     torch.testing.assert_close(g.double(), g_ref, rtol=1e-3, atol=1e-5)
 
 
-def test_readme_locations_example_runs():
+def test_locations_example_runs():
     torch.manual_seed(0)
     x = torch.linspace(-2, 2, 64).unsqueeze(1)
     y = torch.sin(2 * x) + 0.1 * torch.randn_like(x)
@@ -48,7 +54,8 @@ def test_readme_locations_example_runs():
         "train_loader": loader,
         "x_test": torch.linspace(-3, 3, 7).unsqueeze(1),
     }
-    exec(compile(readme_block("readme-locations"), "README.md", "exec"), namespace)  # noqa: S102
+    code = block("docs-locations", page("locations.md"))
+    exec(compile(code, "locations.md", "exec"), namespace)  # noqa: S102
     assert namespace["Z"].shape == (16, 1)
     assert namespace["K"].shape == (7, 16, 1, 1)
     assert namespace["var"].shape[0] == 7 and torch.all(namespace["var"] > 0)
@@ -68,3 +75,8 @@ def test_readme_commands_are_the_ones_ci_runs():
     installs = [i for i, line in enumerate(code) if "pip install" in line]
     assert installs and min(installs) > readme_run
     assert code.index("rm -rf .venv") < readme_run
+
+
+@pytest.mark.parametrize("marker", ["main-command", "test-command"])
+def test_getting_started_shows_the_readme_commands(marker: str):
+    assert block(marker, page("getting-started.md")) == readme_block(marker)

@@ -1,28 +1,18 @@
-"""The README's torchrun example runs on two ranks and fits the union of the shards."""
+"""The scaling page's torchrun example runs on two ranks and fits the shards' union."""
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.docs import block, page
+
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-
-
-def _block(marker: str) -> str:
-    match = re.search(
-        rf"<!-- {marker} -->\s*```python\n(.*?)```\s*<!-- /{marker} -->",
-        README.read_text(),
-        re.S,
-    )
-    assert match, f"README has no {marker} block"
-    return match.group(1)
 
 
 def _torchrun(script: Path, ranks: int) -> list[tuple[int, int, float]]:
@@ -47,7 +37,7 @@ def _torchrun(script: Path, ranks: int) -> list[tuple[int, int, float]]:
 @pytest.mark.slow
 def test_readme_torchrun_example_fits_all_points_on_both_ranks(tmp_path: Path) -> None:
     script = tmp_path / "fit.py"
-    script.write_text(_block("distributed-fit-example"))
+    script.write_text(block("distributed-fit-example", page("scaling.md")))
     two = _torchrun(script, 2)
     (single,) = _torchrun(script, 1)  # a group of one: laplace-torch unchanged
     assert [(rank, n_data) for rank, n_data, _ in two] == [(0, 1000), (1, 1000)]

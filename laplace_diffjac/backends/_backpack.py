@@ -303,9 +303,17 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
         last_layer: bool = False,
         subnetwork_indices: torch.LongTensor | None = None,
         stochastic: bool = False,
+        jacobian_budget: int = DEFAULT_JACOBIAN_BUDGET,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model, likelihood, last_layer, subnetwork_indices, **kwargs)
+        super().__init__(
+            model,
+            likelihood,
+            last_layer,
+            subnetwork_indices,
+            jacobian_budget=jacobian_budget,
+            **kwargs,
+        )
         self.stochastic = stochastic
 
     def diag(

@@ -61,6 +61,18 @@ class DiffFuncGGN(GGNInterface):
 
     """
 
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Any,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # laplace-torch's own constructor; spelled out so that its parameters are
+        # those documented above (the API reference reads the signature).
+        super().__init__(model, likelihood, last_layer, subnetwork_indices, **kwargs)
+
     def _named_params(self) -> dict[str, torch.Tensor]:
         """Trainable parameters of ``self._model``, named as in ``self.model``."""
         wanted = {id(p) for p in self.params}

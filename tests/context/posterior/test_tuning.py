@@ -13,7 +13,7 @@ from laplace_diffjac import DiffBackPackGGN
 from laplace_diffjac.context import ContextPosterior
 from tests.conftest import CASES
 from tests.context.helpers import evidence_data
-from tests.readme import readme_block
+from tests.docs import block, page
 
 MLP = CASES[1]
 
@@ -154,7 +154,7 @@ def test_readme_evidence_example_runs():
         "Z": x[::8],
         "ContextPosterior": ContextPosterior,
     }
-    code = compile(readme_block("readme-evidence"), "README.md", "exec")
+    code = compile(block("docs-evidence", page("posterior.md")), "posterior.md", "exec")
     exec(code, namespace)  # noqa: S102
     cp = namespace["cp"]
     assert float(cp.prior_precision) > 0 and 0 < float(cp.sigma_noise) < 1
