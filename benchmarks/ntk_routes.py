@@ -15,7 +15,8 @@ compare like with like. Routes:
 
 The step timed is what a location optimiser waits for: the Gram and the gradient of
 ``Σ K²`` in ``x`` (in the parameters for the transformer, whose inputs are
-tokens). Median of ``--repeats`` after one warm-up, seconds.
+tokens). Median of ``--repeats`` interleaved runs (every route once per round)
+after one warm-up, seconds.
 
 Every route's Gram is compared with the factor route's (``max relative difference
 to factors``), so a fast wrong route shows.
@@ -182,23 +183,27 @@ def run(quick: bool = False, repeats: int = 3) -> dict:
         routes = _routes(name, model)
         with torch.no_grad():
             reference = routes["factors"](x).double()  # the package's: no warnings
-        for route, fn in routes.items():
+        working = {}
+        for route, fn in routes.items():  # warm-up, and which routes run at all
             try:
                 _step(fn, x)
             except (RuntimeError, NotImplementedError) as err:
                 rows[route] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-                continue
-            times = []
-            for _ in range(repeats):
+            else:
+                working[route] = fn
+        times: dict[str, list[float]] = {route: [] for route in working}
+        for _ in range(repeats):  # interleaved: drift on the machine hits every route
+            for route, fn in working.items():
                 start = time.perf_counter()
                 _step(fn, x)
-                times.append(time.perf_counter() - start)
+                times[route].append(time.perf_counter() - start)
+        scale = reference.abs().max()
+        for route, fn in working.items():
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="There is a performance drop")
                 gram = fn(x).double()
-            scale = reference.abs().max()
             rows[route] = {
-                "seconds": statistics.median(times),
+                "seconds": statistics.median(times[route]),
                 "max relative difference to factors": float(
                     (gram - reference).abs().max() / scale
                 ),

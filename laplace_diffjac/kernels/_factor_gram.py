@@ -113,7 +113,10 @@ def _block_gram(
     J1v = J1 * var
     if diagonal:
         return torch.einsum("bvn,bwn->bvw", J1v, J1)
-    J2 = assemble(right.factors, [p], right.n_rows, right.batch, right.f)
+    same = right is left  # a symmetric Gram: the block is written once
+    J2 = (
+        J1 if same else assemble(right.factors, [p], right.n_rows, right.batch, right.f)
+    )
     return torch.einsum("bvn,cwn->bcvw", J1v, J2)
 
 
