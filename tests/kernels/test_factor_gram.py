@@ -11,7 +11,7 @@ to the input and the parameters equal central differences of the loop's Gram.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ from laplace_diffjac.jacobians import _engine
 from laplace_diffjac.kernels import _factor_gram, ntk, ntk_diag
 from laplace_diffjac.kernels._ntk import factor_route_applies
 from tests.backends.audit_cases import CASES
+from tests.class_models import MODELS, built
 from tests.references import central_difference, loop_jacobians
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -170,86 +171,8 @@ def test_audited_module_gram_gradients_equal_central_differences(name: str) -> N
     _check_gradients(case.model(), case.inputs())
 
 
-class _Residual(nn.Module):
-    """A class MLP with a residual connection and a layer used twice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.shared, self.out = (
-            nn.Linear(4, 6),
-            nn.Linear(6, 6),
-            nn.Linear(6, 3),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        h = h + torch.tanh(self.shared(h))
-        return self.out(torch.tanh(self.shared(h)))
-
-
-class _SmallCNN(nn.Module):
-    """Conv2d, ReLU, max-pooling and a Linear head on 1×8×8 images."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 3, 3, padding=1)
-        self.conv2 = nn.Conv2d(3, 4, 3, padding=1)
-        self.head = nn.Linear(4 * 4 * 4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
-        return self.head(torch.tanh(self.conv2(h)).flatten(1))
-
-
-class _TokenTransformer(nn.Module):
-    """Token and position embeddings, one encoder layer, mean-pooled Linear head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(11, 8), nn.Embedding(5, 8)
-        self.encoder = nn.TransformerEncoderLayer(
-            8, 2, 12, dropout=0.0, batch_first=True
-        )
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
-        h = self.tokens(x) + self.positions(positions)
-        return self.head(self.encoder(h).mean(1))
-
-
-class _DictModel(nn.Module):
-    """Two named inputs, as a ``BatchEncoding``-like batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.head = nn.Linear(4, 5), nn.Linear(2, 5), nn.Linear(5, 3)
-
-    def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return self.head(torch.tanh(self.a(batch["u"]) * self.b(batch["v"])))
-
-
-def _floats(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(7)).double()
-
-
-MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], object]]] = {
-    "residual-shared": (_Residual, lambda: _floats(5, 4)),
-    "cnn": (_SmallCNN, lambda: _floats(5, 1, 8, 8)),
-    "token-transformer": (
-        _TokenTransformer,
-        lambda: torch.randint(
-            0, 11, (5, 5), generator=torch.Generator().manual_seed(8)
-        ),
-    ),
-    "dict-inputs": (_DictModel, lambda: {"u": _floats(5, 4), "v": _floats(5, 2)}),
-}
-
-
 def _built(name: str):
-    make_model, make_x = MODELS[name]
-    torch.manual_seed(0)
-    return make_model().double().eval(), make_x()
+    return built(name, 5)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

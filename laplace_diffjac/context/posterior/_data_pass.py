@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from ...backends import BackendSpec, JacobianBackend
 from ...data import TrainingData, check_targets
+from ._features import batch_features
 from ._hyperparameters import PriorGroups
 from ._statistics import Accumulators
 
@@ -35,8 +36,12 @@ def accumulate(
     input_dtype: torch.dtype,
     progress_bar: bool,
     offset: torch.Tensor | None = None,
+    structured: bool = True,
 ) -> None:
-    """Add this process's data to ``acc``, one batch of inputs/Jacobians at a time.
+    """Add this process's data to ``acc``, one batch of inputs and features at a time.
+
+    The features are per-layer factors where the backend has them, else the
+    Jacobians (:func:`._features.batch_features`).
 
     Parameters
     ----------
@@ -59,6 +64,8 @@ def accumulate(
         Show a tqdm progress bar.
     offset : torch.Tensor, optional
         ``(P,)`` ``θ* − μ₀`` for the dual mean's sums.
+    structured : bool, default=True
+        Use the backend's per-layer factors where it has them.
 
     """
     param = next(iter(backend.model.parameters()))
@@ -66,11 +73,11 @@ def accumulate(
     for xb, yb in tqdm(batches, disable=not progress_bar):
         xb = xb.to(device=param.device, dtype=param.dtype)
         with torch.no_grad():
-            Js, f = model_jacobians(backend, xb, False)
-        if yb is not None:
-            check_targets(yb, f, likelihood, f"{data.name}'s targets")
-        acc.add(Js, f, yb, groups, likelihood, offset)
-        del Js, f
+            features = batch_features(backend, xb, False, structured)
+            if yb is not None:
+                check_targets(yb, features.f, likelihood, f"{data.name}'s targets")
+            acc.add(features, yb, groups, likelihood, offset)
+        del features
 
 
 def compute_copy(

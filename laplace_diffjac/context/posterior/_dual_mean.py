@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ._factor_cache import PredictiveFactor
+from ._features import BatchFeatures
 from ._statistics import Accumulators
 
 __all__ = ["check_predictive_mean", "dual_mean"]
@@ -60,8 +61,7 @@ def dual_mean(
     acc: Accumulators,
     factor: PredictiveFactor,
     T: torch.Tensor,
-    f: torch.Tensor,
-    Js: torch.Tensor,
+    features: BatchFeatures,
     offset: torch.Tensor,
     s: torch.Tensor,
     h: torch.Tensor,
@@ -76,10 +76,9 @@ def dual_mean(
         The posterior's factor at ``(s, h)``.
     T : torch.Tensor
         ``L₀⁻¹ K_Z*`` ``(MC, B* C)``.
-    f : torch.Tensor
-        The network's outputs ``(B*, C)``.
-    Js : torch.Tensor
-        Jacobians at the test inputs ``(B*, C, P)``.
+    features : BatchFeatures
+        The network's outputs ``(B*, C)`` and Jacobians (or their factors) at the
+        test inputs.
     offset : torch.Tensor
         ``(P,)`` ``θ* − μ₀``.
     s : torch.Tensor
@@ -109,9 +108,9 @@ def dual_mean(
             "The prior mean or the network's parameters changed since fit; the dual "
             "mean is linearised there: call fit again."
         )
-    f64, J64 = f.to(torch.float64), Js.to(torch.float64)
     u = torch.einsum("g,gi->i", s.to(torch.float64).detach(), acc.u)
     t = factor.frame.whiten((h.detach() * u).unsqueeze(1))  # (MC, 1)
     Tx = factor.frame.whiten(T)  # (MC, B* C)
     correction = (Tx.mT @ factor.H) @ (factor.H.mT @ t)
-    return f64 - J64 @ offset.to(J64) + correction.reshape(f.shape)
+    f = features.f
+    return f - features.jvp(offset) + correction.reshape(f.shape)

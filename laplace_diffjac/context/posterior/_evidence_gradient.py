@@ -39,9 +39,9 @@ from ...data import (
     is_distributed,
     reduce_sum,
 )
-from ...kernels import jacobians, output_hessians
-from ...kernels._ntk import flat_gram
+from ...kernels import output_hessians
 from ._evidence import log_det_eye_plus, log_likelihood
+from ._features import batch_features
 from ._hyperparameters import PriorGroups
 from ._statistics import Accumulators, frame_factor, reduce_accumulators
 
@@ -135,13 +135,13 @@ def evidence_loss_backward(
     check_shard(data, "data")
     training_data = TrainingData(data, batch_size, "data")
     with torch.no_grad():
-        J_z0 = jacobians(backend, locations.detach(), enable_backprop=False)
-        acc = Accumulators.empty(J_z0.to(torch.float64), groups, jitter)
+        Z0 = batch_features(backend, locations.detach(), False)
+        acc = Accumulators.empty(Z0, groups, jitter)
         for xb, yb in training_data.batches():
-            Js, f = backend.jacobians(xb.to(locations.device), enable_backprop=False)
+            features = batch_features(backend, xb.to(locations.device), False)
             if yb is not None:
-                check_targets(yb, f, likelihood, "data's targets")
-            acc.add(Js, f, yb, groups, likelihood)
+                check_targets(yb, features.f, likelihood, "data's targets")
+            acc.add(features, yb, groups, likelihood)
     reduce_accumulators(acc)  # pass 2 needs the full-data W
     W = acc.symmetrised_W()[0, 0].clone().requires_grad_()
     theta = torch.cat([p.detach().reshape(-1) for p in backend.params])
@@ -176,14 +176,16 @@ def _data_gradient(
     reduced sums and are already the same on every rank.
     """
     before = locations.grad.detach().clone() if locations.grad is not None else None
-    J_z = jacobians(backend, locations, enable_backprop=True).to(torch.float64)
-    L = frame_factor(flat_gram(J_z, J_z), jitter)
+    Z = batch_features(backend, locations, True)
+    ones = torch.ones((), dtype=torch.float64, device=locations.device)
+    L = frame_factor(Z.gram(Z, ones), jitter)
     MC = grad_W.shape[0]
     for xb in data.input_batches():
         with torch.no_grad():
-            Js, f = backend.jacobians(xb.to(locations.device), enable_backprop=False)
-            lam = output_hessians(f.to(torch.float64), likelihood)
-        K = flat_gram(J_z, Js.to(torch.float64))
+            features = batch_features(backend, xb.to(locations.device), False)
+            f = features.f
+            lam = output_hessians(f, likelihood)
+        K = Z.gram(features, ones)
         V = torch.linalg.solve_triangular(L, K, upper=False).reshape(MC, *f.shape)
         VL = torch.einsum("kbc,bce->kbe", V, lam).reshape(MC, -1)
         W_b = V.reshape(MC, -1) @ VL.T

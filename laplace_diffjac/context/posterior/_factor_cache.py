@@ -157,5 +157,5 @@ class FactorCache:
 
 def _one_group(acc: Accumulators, jitter: float) -> bool:
     """One prior group at the fit's jitter, sums without a graph."""
-    graph = acc.G.requires_grad or acc.W.requires_grad
+    graph = acc.C.requires_grad or acc.W.requires_grad
     return len(acc.bounds) == 1 and jitter == acc.jitter and not graph

@@ -39,12 +39,13 @@ from ...data import (
     is_distributed,
 )
 from ...errors import InvalidInputError
-from ...kernels import PriorPrecision, jacobians
+from ...kernels import PriorPrecision
 from . import _tuning
-from ._data_pass import accumulate, compute_copy, model_jacobians, sync_copy
+from ._data_pass import accumulate, compute_copy, sync_copy
 from ._dual_mean import check_predictive_mean, dual_mean
 from ._evidence import evidence_terms, log_likelihood
 from ._factor_cache import FactorCache, PredictiveFactor
+from ._features import BatchFeatures, JacobianBatch, batch_features
 from ._hyperparameters import (
     PriorGroups,
     check_prior_precision,
@@ -109,6 +110,12 @@ class ContextPosterior:
         ``'dual'``: the posterior mean of the linearised network's GP through the
         locations (:mod:`._dual_mean`; needs targets at ``fit``), which equals the
         network on the data of the fit when ``Z = X`` and moves with ``update``.
+    structured : bool, default=True
+        With a backend that hands out per-layer factors (``DiffBackPackGGN``,
+        ``DiffBackPackEF`` over all parameters), compute every Gram, the GGN
+        diagonal and the dual mean from them: no Jacobian ``J`` of the locations
+        or of a batch is formed (:mod:`._features`). ``False`` forms the
+        Jacobians (the reference route); other backends always do.
 
     Raises
     ------
@@ -138,6 +145,7 @@ class ContextPosterior:
         prior_structure: str | None = None,
         compute_dtype: torch.dtype | None = torch.float64,
         predictive_mean: str = "network",
+        structured: bool = True,
     ) -> None:
         if likelihood not in ("regression", "classification"):
             raise ValueError(
@@ -170,6 +178,7 @@ class ContextPosterior:
         self.enable_backprop = enable_backprop
         self.jitter = jitter
         self.batch_size = batch_size
+        self.structured = bool(structured)
         self._acc: Accumulators | None = None
         self._groups: PriorGroups | None = None
         self._factors = FactorCache()
@@ -212,11 +221,7 @@ class ContextPosterior:
         structure = infer_structure(self._structure_request, prec, self.n_layers)
         groups = PriorGroups.build(structure, prec, self._layer_sizes)
         sync_copy(self._compute_model, self.model)
-        Z = self.locations.to(device=self._device, dtype=self._compute_dtype)
-        J_z = jacobians(self._compute_backend, Z, enable_backprop=False).to(
-            torch.float64
-        )
-        acc = Accumulators.empty(J_z.detach(), groups, self.jitter)
+        acc = Accumulators.empty(self._location_features(), groups, self.jitter)
         shape = self.locations.shape[1:]
         accumulate(
             self._compute_backend,
@@ -228,6 +233,7 @@ class ContextPosterior:
             self._dtype,
             progress_bar,
             self._offset(),
+            self.structured,
         )
         reduce_accumulators(acc)
         if acc.n_data == 0:
@@ -284,6 +290,7 @@ class ContextPosterior:
             self._dtype,
             False,
             self._offset(),
+            self.structured,
         )
         reduce_accumulators(new)  # only the new sums: the old ones are reduced
         acc.merge(new)
@@ -559,18 +566,27 @@ class ContextPosterior:
         """
         load_posterior_state(self, state_dict)
 
+    def _location_features(self) -> BatchFeatures:
+        """The locations' features (factors or ``J_Z``), detached, float64."""
+        Z = self.locations.to(device=self._device, dtype=self._compute_dtype)
+        with torch.no_grad():
+            features = batch_features(
+                self._compute_backend, Z, False, self.structured
+            )
+        return features.detach()
+
     def _offset(self) -> torch.Tensor:
         """``θ* − μ₀`` ``(P,)`` in float64 (the dual mean's linearisation)."""
         mean = self.mean.to(torch.float64)
         return mean - self.prior_mean.to(mean).expand_as(mean)
 
     def _dual_mean(
-        self, Js: torch.Tensor, f: torch.Tensor, T: torch.Tensor | None = None
+        self, features: BatchFeatures, T: torch.Tensor | None = None
     ) -> torch.Tensor:
         acc, _ = self._fitted()
         s, _, h = self._scales()
-        T = self._whitened_cross(Js) if T is None else T
-        return dual_mean(acc, self._factor(), T, f, Js, self._offset(), s, h)
+        T = self._whitened_cross(features) if T is None else T
+        return dual_mean(acc, self._factor(), T, features, self._offset(), s, h)
 
     def _factor(self) -> PredictiveFactor:
         acc, _ = self._fitted()
@@ -585,11 +601,11 @@ class ContextPosterior:
             return s.detach()[0]
         return prior_var.detach()
 
-    def _whitened_cross(self, Js: torch.Tensor) -> torch.Tensor:
+    def _whitened_cross(self, features: BatchFeatures) -> torch.Tensor:
         """``L₀⁻¹ K_Z*`` ``(MC, B* C)`` in float64 at the current prior."""
         acc, _ = self._fitted()
         s, _, _ = self._scales()
-        return acc.whitened(Js.to(torch.float64), scales=s.detach())[0]
+        return acc.whitened(features, scales=s.detach())[0]
 
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
         """Latent posterior covariance per test input.
@@ -605,12 +621,15 @@ class ContextPosterior:
             ``(B*, C, C)`` in ``Js``'s dtype.
 
         """
-        return self._variance(Js, self._whitened_cross(Js))
+        features = _given_jacobians(Js)
+        T = self._whitened_cross(features)
+        return self._variance(features, T).to(Js.dtype)
 
-    def _variance(self, Js: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
-        """:meth:`functional_variance` given ``T = L₀⁻¹ K_Z*`` ``(MC, B* C)``."""
+    def _variance(self, features: BatchFeatures, T: torch.Tensor) -> torch.Tensor:
+        """Per-input covariances ``(B*, C, C)`` given ``T = L₀⁻¹ K_Z*`` (float64)."""
         V = self._factor().project(T)
-        return latent_covariance(Js, V, self._kernel_prior_var(), joint=False)
+        K_ss = features.self_blocks(self._kernel_prior_var())
+        return latent_covariance(K_ss, V)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
         """Joint latent posterior covariance of all test outputs (per batch).
@@ -627,13 +646,18 @@ class ContextPosterior:
             joint covariance of each batch's ``B*`` inputs, none across batches.
 
         """
-        C, P = Js.shape[-2:]
-        return self._covariance(Js, self._whitened_cross(Js.reshape(-1, C, P)))
+        lead, (q, C, P) = Js.shape[:-3], Js.shape[-3:]
+        features = _given_jacobians(Js.reshape(-1, C, P))
+        covariance = self._covariance(features, self._whitened_cross(features), q)
+        return covariance.reshape(*lead, q * C, q * C).to(Js.dtype)
 
-    def _covariance(self, Js: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
-        """:meth:`functional_covariance` given ``T`` of the flattened inputs."""
+    def _covariance(
+        self, features: BatchFeatures, T: torch.Tensor, q: int
+    ) -> torch.Tensor:
+        """Joint covariances ``(B* / q, q C, q C)`` of consecutive ``q`` inputs."""
         V = self._factor().project(T)
-        return latent_covariance(Js, V, self._kernel_prior_var(), joint=True)
+        K_ss = features.joint_blocks(self._kernel_prior_var(), q)
+        return latent_covariance(K_ss, V)
 
     def joint_predictive(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Joint latent predictive of batches of inputs (BoTorch's q-batches).
@@ -666,22 +690,27 @@ class ContextPosterior:
                 f"{', '.join(map(str, self.locations.shape[1:]))}) like the locations."
             )
         flat = x.reshape(-1, *self.locations.shape[1:])
-        f, Js, T = self._predictive_pieces(flat)
-        covariance = self._covariance(Js.reshape(*lead, *Js.shape[1:]), T)
+        f, features, T = self._predictive_pieces(flat)
+        q, C = lead[-1], features.n_outputs
+        covariance = self._covariance(features, T, q)
+        covariance = covariance.reshape(*lead[:-1], q * C, q * C)
         return self._as_output(f.reshape(*lead, -1), covariance)
 
     def _predictive_pieces(
         self, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # The mean (B*, C), the Jacobians (B*, C, P) and T = L₀⁻¹ K_Z* (MC, B* C),
-        # computed once for the mean and the covariance.
+    ) -> tuple[torch.Tensor, BatchFeatures, torch.Tensor]:
+        # The mean (B*, C), the features (factors or Jacobians) and
+        # T = L₀⁻¹ K_Z* (MC, B* C), computed once for the mean and the covariance.
         check_inputs(x, "x", self._dtype, self.locations.shape[1:])
         x = x.to(self._compute_dtype)
-        Js, f = model_jacobians(self._compute_backend, x, self.enable_backprop)
-        T = self._whitened_cross(Js)
+        features = batch_features(
+            self._compute_backend, x, self.enable_backprop, self.structured
+        )
+        T = self._whitened_cross(features)
+        f = features.f
         if self.predictive_mean == "dual":
-            f = self._dual_mean(Js, f, T)
-        return f, Js, T
+            f = self._dual_mean(features, T)
+        return f, features, T
 
     def _as_output(
         self, mean: torch.Tensor, var: torch.Tensor
@@ -694,10 +723,11 @@ class ContextPosterior:
     def _glm_predictive_distribution(
         self, x: torch.Tensor, joint: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        f, Js, T = self._predictive_pieces(x)
+        f, features, T = self._predictive_pieces(x)
         if joint:
-            return self._as_output(f.flatten(), self._covariance(Js, T))
-        return self._as_output(f, self._variance(Js, T))
+            covariance = self._covariance(features, T, features.batch)[0]
+            return self._as_output(f.flatten(), covariance)
+        return self._as_output(f, self._variance(features, T))
 
     def __call__(
         self,
@@ -797,3 +827,8 @@ class ContextPosterior:
         f_mu, f_var = self._glm_predictive_distribution(x)
         samples = gaussian_samples(f_mu, f_var, n_samples, diagonal_output, generator)
         return samples if self.likelihood == "regression" else samples.softmax(-1)
+
+
+def _given_jacobians(Js: torch.Tensor) -> JacobianBatch:
+    """Jacobians ``(B*, C, P)`` that a caller passed, as features (no outputs)."""
+    return JacobianBatch(Js, Js.new_zeros(Js.shape[:2]))

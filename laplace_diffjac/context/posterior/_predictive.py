@@ -17,38 +17,26 @@ __all__ = [
 LINKS = ("probit", "mc", "bridge", "bridge_norm")
 
 
-def latent_covariance(
-    Js: torch.Tensor, V: torch.Tensor, prior_var: torch.Tensor, joint: bool
-) -> torch.Tensor:
-    """``K** − V Vᵀ``, per input or jointly per batch, in ``Js``'s dtype.
+def latent_covariance(K_ss: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """``K** − V Vᵀ`` per block of test outputs, in float64.
 
     Parameters
     ----------
-    Js : torch.Tensor
-        Jacobians ``(B*, C, P)``, or ``(*batch, B*, C, P)`` with ``joint``.
+    K_ss : torch.Tensor
+        ``(n, w, w)`` prior Grams of ``n`` blocks of ``w`` test outputs each
+        (``w = C`` per input, or ``q C`` for the joint covariance of ``q`` inputs,
+        input-major).
     V : torch.Tensor
-        ``(n C, MC)``, the projected cross term of all ``n`` inputs in order.
-    prior_var : torch.Tensor
-        ``Σ₀``: ``()`` or ``(P,)``.
-    joint : bool
-        Joint covariance of each batch's inputs instead of one per input.
+        ``(n w, MC)``, the projected cross term of all test outputs in order.
 
     Returns
     -------
     torch.Tensor
-        ``(B*, C, C)``, or ``(*batch, B* C, B* C)`` input-major with ``joint``.
+        ``(n, w, w)``.
 
     """
-    if not joint:
-        J = Js.to(torch.float64)
-        K_ss = torch.einsum("bcp,bep->bce", J * prior_var, J)
-        V = V.reshape(Js.shape[0], Js.shape[1], -1)  # (B*, C, MC)
-        return (K_ss - V @ V.transpose(1, 2)).to(Js.dtype)
-    batch, P = Js.shape[:-3], Js.shape[-1]
-    J = Js.to(torch.float64).reshape(*batch, -1, P)  # (*batch, B* C, P)
-    K_ss = (J * prior_var) @ J.transpose(-1, -2)
-    V = V.reshape(*J.shape[:-1], -1)  # (*batch, B* C, MC)
-    return (K_ss - V @ V.transpose(-1, -2)).to(Js.dtype)
+    V = V.reshape(*K_ss.shape[:2], -1)
+    return K_ss.to(torch.float64) - V @ V.transpose(1, 2)
 
 
 def gaussian_samples(

@@ -13,8 +13,12 @@ from ._statistics import Accumulators
 
 __all__ = ["load_posterior_state", "posterior_state"]
 
-_FORMAT = "laplace_diffjac.ContextPosterior/2"
-_FORMATS = (_FORMAT, "laplace_diffjac.ContextPosterior/1")  # readable
+_FORMAT = "laplace_diffjac.ContextPosterior/3"
+_FORMATS = (  # readable
+    _FORMAT,
+    "laplace_diffjac.ContextPosterior/2",
+    "laplace_diffjac.ContextPosterior/1",
+)
 
 
 def posterior_state(posterior: Any) -> dict[str, Any]:
@@ -84,6 +88,9 @@ def load_posterior_state(posterior: Any, state_dict: dict[str, Any]) -> None:
         posterior.n_layers,
     )
     posterior._acc = Accumulators.from_state(
-        state_dict["accumulators"], posterior._groups, posterior.jitter
+        state_dict["accumulators"],
+        posterior._groups,
+        posterior.jitter,
+        posterior._location_features(),
     )
     posterior._factors.clear()

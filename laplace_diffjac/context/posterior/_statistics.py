@@ -12,8 +12,12 @@ kept in the *frame* of the unscaled locations' Gram ``K⁰ = Σ_g K_ZZ^g``::
     d       = Σₙ diag(Jₙᵀ Λ̃ₙ Jₙ)                                   (P,)
     loss    = Σₙ ½‖yₙ − f(xₙ)‖² (regression) or Σₙ −log softmax(f(xₙ))_{yₙ}
 
-The locations' Jacobians are whitened once, ``G = L₀⁻¹ J_Z diag(w)`` ``(MC, P)``,
-so a batch's ``Vₙ^g = G^g Jₙ^gᵀ`` costs one product, as ``K_Zn`` did.
+A batch's ``Vₙ^g`` is its Gram with the locations, solved against ``L₀``. With a
+backend that hands out per-layer factors (``DiffBackPackGGN``, ``DiffBackPackEF``)
+the Grams, ``d`` and the dual mean's ``Jₙ δ`` come from the factors
+(:mod:`._features`): neither ``J_Z`` nor a batch's ``Jₙ`` is formed, and what is
+kept of the locations is their factors, ``L₀`` and the whitened group Grams
+``C^g = L₀⁻¹ K_ZZ^g L₀⁻ᵀ`` ``(G, MC, MC)``; other backends keep ``J_Z``.
 Every batch is whitened before it is added (the sparse-GP form of GPflow's SGPR),
 so the sums are well scaled and do not depend on how the data is batched; the
 unwhitened ``K_ZX Λ K_XZ``, whose rounding a later whitening would amplify by the
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 
 from ...data import is_distributed, reduce_sum
 from ...kernels import output_hessians
+from ._features import BatchFeatures, FactorBatch, JacobianBatch
 from ._hyperparameters import PriorGroups
 
 __all__ = [
@@ -109,12 +114,11 @@ class Accumulators:
 
     Attributes
     ----------
-    G : torch.Tensor
-        ``(M, C, P)`` the locations' whitened, weighted Jacobians
-        ``L₀⁻¹ J_Z diag(w)`` (rows ordered as ``J_Z``'s ``(m, c)``), so that
-        ``L₀⁻¹ K_Zb^g = G^g J_b^gᵀ`` needs no copy of a batch's Jacobians.
-    sqrt_w : torch.Tensor
-        ``(P,)`` the groups' fixed weights' square roots.
+    locations : BatchFeatures
+        The locations' outputs and Jacobians: per-layer factors (``J_Z`` is never
+        formed) or ``J_Z`` ``(M, C, P)`` for backends without factors.
+    weight : torch.Tensor
+        ``(P,)`` the groups' fixed weights ``w``.
     bounds : tuple of (int, int)
         The prior groups' column ranges.
     K_diag : torch.Tensor
@@ -123,6 +127,8 @@ class Accumulators:
         ``(MC, MC)`` the frame's Cholesky factor.
     jitter : float
         The frame's relative jitter.
+    C : torch.Tensor
+        ``(G, MC, MC)`` the whitened group Grams ``L₀⁻¹ K_ZZ^g L₀⁻ᵀ`` (PSD).
     W : torch.Tensor
         ``(G, G, MC, MC)`` whitened sums.
     u : torch.Tensor
@@ -142,12 +148,13 @@ class Accumulators:
 
     """
 
-    G: torch.Tensor
-    sqrt_w: torch.Tensor
+    locations: BatchFeatures
+    weight: torch.Tensor
     bounds: tuple[tuple[int, int], ...]
     K_diag: torch.Tensor
     L0: torch.Tensor
     jitter: float
+    C: torch.Tensor
     W: torch.Tensor
     u: torch.Tensor
     ggn_diag: torch.Tensor
@@ -157,10 +164,13 @@ class Accumulators:
     n_data: int = 0
     has_targets: bool = True
     offset: torch.Tensor | None = None
+    _jacobian_locations: JacobianBatch | None = field(default=None, repr=False)
 
     @staticmethod
-    def empty(J_z: torch.Tensor, groups: PriorGroups, jitter: float) -> Accumulators:
-        """Zero sums for locations with Jacobians ``J_z`` ``(M, C, P)`` (float64).
+    def empty(
+        locations: BatchFeatures, groups: PriorGroups, jitter: float
+    ) -> Accumulators:
+        """Zero sums for the locations' features (detached, float64).
 
         Returns
         -------
@@ -172,24 +182,23 @@ class Accumulators:
             As :func:`frame_factor`.
 
         """
-        M, C, P = J_z.shape
-        sqrt_w = groups.weight.to(J_z).sqrt()
-        Jw = (J_z * sqrt_w).reshape(M * C, P)
-        K_diag = torch.stack([Jw[:, a:b].square().sum(1) for a, b in groups.bounds])
-        L0 = frame_factor(Jw @ Jw.T, jitter)
-        G_ = torch.linalg.solve_triangular(L0, Jw * sqrt_w, upper=False)
-        G_ = G_.reshape(M, C, P)
-        zeros = J_z.new_zeros
-        n_groups = len(groups.bounds)
+        weight = groups.weight.to(device=locations.f.device, dtype=torch.float64)
+        grams = [locations.gram(locations, weight, b) for b in groups.bounds]
+        K_diag = torch.stack([K.diagonal() for K in grams])
+        L0 = frame_factor(torch.stack(grams).sum(0), jitter)
+        C = torch.stack([_whiten_both(L0, K) for K in grams])
+        MC, n_groups, P = L0.shape[0], len(groups.bounds), weight.numel()
+        zeros = L0.new_zeros
         return Accumulators(
-            G=G_,
-            sqrt_w=sqrt_w,
+            locations=locations,
+            weight=weight,
             bounds=tuple(groups.bounds),
             K_diag=K_diag,
             L0=L0,
             jitter=float(jitter),
-            W=zeros(n_groups, n_groups, M * C, M * C),
-            u=zeros(n_groups, M * C),
+            C=C,
+            W=zeros(n_groups, n_groups, MC, MC),
+            u=zeros(n_groups, MC),
             ggn_diag=zeros(P),
             loss=zeros(()),
         )
@@ -197,22 +206,24 @@ class Accumulators:
     @property
     def n_outputs(self) -> int:
         """``C``."""
-        return int(self.G.shape[1])
+        return self.locations.n_outputs
 
     def zeros_like(self) -> Accumulators:
         """Zero data sums in the same frame (everything of the locations shared)."""
         return Accumulators(
-            G=self.G,
-            sqrt_w=self.sqrt_w,
+            locations=self.locations,
+            weight=self.weight,
             bounds=self.bounds,
             K_diag=self.K_diag,
             L0=self.L0,
             jitter=self.jitter,
+            C=self.C,
             W=torch.zeros_like(self.W),
             u=torch.zeros_like(self.u),
             offset=self.offset,
             ggn_diag=torch.zeros_like(self.ggn_diag),
             loss=torch.zeros_like(self.loss),
+            _jacobian_locations=self._jacobian_locations,
         )
 
     def merge(self, other: Accumulators) -> None:
@@ -224,8 +235,21 @@ class Accumulators:
         self.n_data += other.n_data
         self.has_targets = self.has_targets and other.has_targets
 
-    def whitened(self, Js: torch.Tensor, scales: torch.Tensor | None = None) -> list:
-        """``L₀⁻¹ K_Zb^g`` ``(MC, b C)`` per group for Jacobians ``Js`` ``(b, C, P)``.
+    def _locations_like(self, batch: BatchFeatures) -> BatchFeatures:
+        """The locations' features of ``batch``'s kind (``J_Z`` formed once if not)."""
+        if type(batch) is type(self.locations):
+            return self.locations
+        if self._jacobian_locations is None:
+            assert isinstance(self.locations, FactorBatch)
+            Z = self.locations
+            J = Z.parts.assembled(Z.params).detach()
+            self._jacobian_locations = JacobianBatch(J, Z.f.detach())
+        return self._jacobian_locations
+
+    def whitened(
+        self, batch: BatchFeatures, scales: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """``L₀⁻¹ K_Zb^g`` ``(MC, b C)`` per group for a batch's features.
 
         Returns
         -------
@@ -233,36 +257,37 @@ class Accumulators:
             One per group, or with ``scales`` ``(G,)`` the one matrix
             ``Σ_g scales_g L₀⁻¹ K_Zb^g``.
         """
-        G_ = self.G.reshape(-1, self.G.shape[-1])
-        J2 = Js.reshape(-1, Js.shape[-1])
-        parts = [G_[:, a:b] @ J2[:, a:b].T for a, b in self.bounds]
+        Z = self._locations_like(batch)
         if scales is None:
-            return parts
-        return [sum(s * V for s, V in zip(scales, parts))]
+            grams = [Z.gram(batch, self.weight, b) for b in self.bounds]
+        else:
+            var = self.weight.clone()
+            for s, (a, b) in zip(scales.to(var), self.bounds):
+                var[a:b] = var[a:b] * s
+            grams = [Z.gram(batch, var)]
+        return [torch.linalg.solve_triangular(self.L0, K, upper=False) for K in grams]
 
     def group_grams(self) -> torch.Tensor:
-        """``L₀⁻¹ K_ZZ^g L₀⁻ᵀ`` ``(G, MC, MC)`` from the whitened Jacobians (PSD)."""
-        G_ = self.G.reshape(-1, self.G.shape[-1]) / self.sqrt_w
-        return torch.stack([G_[:, a:b] @ G_[:, a:b].T for a, b in self.bounds])
+        """``L₀⁻¹ K_ZZ^g L₀⁻ᵀ`` ``(G, MC, MC)`` (PSD)."""
+        return self.C
 
     def add(
         self,
-        Js: torch.Tensor,
-        f: torch.Tensor,
+        batch: BatchFeatures,
         y: torch.Tensor | None,
         groups: PriorGroups,
         likelihood: str,
         offset: torch.Tensor | None = None,
     ) -> None:
-        """Add one batch: Jacobians ``(b, C, P)``, outputs ``(b, C)``, targets.
+        """Add one batch: its features (outputs ``(b, C)`` and Jacobians), targets.
 
         ``offset`` ``(P,)`` is ``θ* − μ₀`` for the dual mean's sums ``u`` (not
         kept without it or without targets).
         """
-        Js, f = Js.to(torch.float64), f.to(torch.float64)
+        f = batch.f
         lam = output_hessians(f, likelihood)  # (b, C, C), without 1 / (σ² T)
         MC = self.L0.shape[0]
-        Vs = self.whitened(Js)
+        Vs = self.whitened(batch)
         VL = [
             torch.einsum("kbc,bce->kbe", V.reshape(MC, *f.shape), lam).reshape(MC, -1)
             for V in Vs
@@ -270,7 +295,7 @@ class Accumulators:
         for g, V in enumerate(Vs):
             for h, U in enumerate(VL):
                 self.W[g, h] += V @ U.T
-        self.ggn_diag += (Js * torch.einsum("bce,bep->bcp", lam, Js)).sum((0, 1))
+        self.ggn_diag += batch.ggn_diagonal(lam)
         self.n_data += f.shape[0]
         if y is None:  # checked by the data pass (data.check_targets) otherwise
             self.has_targets = False  # the posterior needs none; the evidence does
@@ -284,7 +309,7 @@ class Accumulators:
         if offset is not None:
             self.offset = offset.detach().to(torch.float64)
             grad = likelihood_gradient(f, y, likelihood)
-            r = torch.einsum("bce,be->bc", lam, Js @ offset.to(Js)) + grad
+            r = torch.einsum("bce,be->bc", lam, batch.jvp(self.offset)) + grad
             for k, V in enumerate(Vs):
                 self.u[k] += V @ r.reshape(-1)
 
@@ -293,14 +318,22 @@ class Accumulators:
         return 0.5 * (self.W + self.W.permute(1, 0, 3, 2))
 
     def to_state(self) -> dict[str, torch.Tensor | int | bool | float | list | None]:
-        """Tensors and plain values only, for ``torch.load(weights_only=True)``."""
+        """Tensors and plain values only, for ``torch.load(weights_only=True)``.
+
+        The locations' features are not kept: they are the model's, at the
+        state's locations, and are computed again on loading.
+
+        Returns
+        -------
+        dict
+        """
         return {
-            "G": self.G,
-            "sqrt_w": self.sqrt_w,
+            "weight": self.weight,
             "bounds": [list(b) for b in self.bounds],
             "K_diag": self.K_diag,
             "L0": self.L0,
             "jitter": self.jitter,
+            "C": self.C,
             "W": self.W,
             "u": self.u,
             "ggn_diag": self.ggn_diag,
@@ -311,12 +344,17 @@ class Accumulators:
         }
 
     @staticmethod
-    def from_state(state: dict, groups: PriorGroups, jitter: float) -> Accumulators:
-        """Inverse of :meth:`to_state`; also reads the unwhitened sums of 0.1.0.
+    def from_state(
+        state: dict, groups: PriorGroups, jitter: float, locations: BatchFeatures
+    ) -> Accumulators:
+        """Inverse of :meth:`to_state`; also reads the states of formats 1 and 2.
 
-        A 0.1.0 state holds ``J_Z`` and ``B^{gh} = Σₙ K_Zn^g Λ̃ₙ K_nZ^h`` instead
-        of ``G`` and ``W``; it is whitened once here (``W = L₀⁻¹ B L₀⁻ᵀ``, with
-        the rounding of that form; fit again for batch-independent sums).
+        A format-2 state holds the whitened Jacobians ``G = L₀⁻¹ J_Z diag(w)``
+        instead of the whitened group Grams ``C`` (``C^g = G^g diag(w^g)⁻¹ G^gᵀ``);
+        a format-1 (0.1.0) state holds ``J_Z`` and
+        ``B^{gh} = Σₙ K_Zn^g Λ̃ₙ K_nZ^h`` instead of ``G`` and ``W``, whitened
+        once here (``W = L₀⁻¹ B L₀⁻ᵀ``, with the rounding of that form; fit
+        again for batch-independent sums).
 
         Parameters
         ----------
@@ -326,6 +364,8 @@ class Accumulators:
             The posterior's prior groups (for a 0.1.0 state).
         jitter : float
             The posterior's relative jitter (for a 0.1.0 state's frame).
+        locations : BatchFeatures
+            The locations' features, computed again from the model.
 
         Returns
         -------
@@ -339,24 +379,41 @@ class Accumulators:
             has_targets=bool(state["has_targets"]),
         )
         if "W" in state:
+            if "C" in state:
+                weight, C = state["weight"], state["C"]
+            else:  # format 2: whitened, weighted Jacobians
+                weight = state["sqrt_w"].square()
+                G_ = state["G"].reshape(-1, weight.numel()) / state["sqrt_w"]
+                C = torch.stack([G_[:, a:b] @ G_[:, a:b].T for a, b in state["bounds"]])
             return Accumulators(
-                G=state["G"],
-                sqrt_w=state["sqrt_w"],
+                locations=locations,
+                weight=weight,
                 bounds=tuple(tuple(b) for b in state["bounds"]),
                 K_diag=state["K_diag"],
                 L0=state["L0"],
                 jitter=float(state["jitter"]),
+                C=C,
                 W=state["W"],
                 u=state["u"],
                 offset=state["offset"],
                 **common,
             )
-        acc = Accumulators.empty(state["J_z"], groups, jitter)
+        J_z = state["J_z"].to(torch.float64)
+        f_z = J_z.new_zeros(J_z.shape[:2])
+        acc = Accumulators.empty(JacobianBatch(J_z, f_z), groups, jitter)
+        acc.locations = locations
         W = torch.linalg.solve_triangular(acc.L0, state["B"], upper=False)
         acc.W = torch.linalg.solve_triangular(acc.L0, W.mT, upper=False).mT
         for key, value in common.items():
             setattr(acc, key, value)
         return acc
+
+
+def _whiten_both(L0: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
+    """``L₀⁻¹ K L₀⁻ᵀ``, symmetrised."""
+    half = torch.linalg.solve_triangular(L0, K, upper=False)
+    C = torch.linalg.solve_triangular(L0, half.mT, upper=False)
+    return 0.5 * (C + C.mT)
 
 
 def reduce_accumulators(acc: Accumulators) -> None:

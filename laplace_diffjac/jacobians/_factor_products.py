@@ -1,0 +1,150 @@
+"""Products with the Jacobian from its per-layer factors: ``J v`` and ``diag(Jᵀ Λ J)``.
+
+The context posterior needs, besides Grams (:mod:`laplace_diffjac.kernels`), two
+products of a batch's Jacobians ``J`` ``(B, V, P)``: the Jacobian-vector product
+``J v`` ``(B, V)`` (the dual mean's linearisation) and the GGN diagonal
+``Σ_b diag(J_bᵀ Λ_b J_b)`` ``(P,)`` (the evidence's trace term). Both are computed
+per parameter from the factors of :mod:`._assembly`, without writing ``J``:
+
+``Product``  ``J v``: ``Σ_{o,l} g[b,v,o,l] (a[b,l,:] · v[o,:])``; the diagonal in
+             closed form without tokens (``L = 1``): ``Σ_b q[b,o] a[b,k]²`` with
+             ``q[b,o] = Σ_{v,w} g[b,v,o] Λ[b,v,w] g[b,w,o]``
+``Summed``   both in closed form from the summed signals
+``Scattered`` ``J v`` gathers the looked-up rows of ``v``
+``Dense``    the block is given: contract it
+
+Where no closed form is written (``Product`` over tokens or positions, ``Scattered``,
+a parameter used by several module calls), the diagonal contracts that one
+parameter's block, written for a few samples at a time so that it never holds
+more than ``_BLOCK_BYTES``. Everything is ordinary autograd on the factors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._assembly import Dense, Factors, Product, Scattered, Summed, assemble
+from ._engine import JacobianFactors
+
+__all__ = ["factor_ggn_diagonal", "factor_jvp"]
+
+#: Largest block (bytes) that the diagonal's block route writes at once.
+_BLOCK_BYTES = 64 * 2**20
+
+
+def factor_jvp(
+    parts: JacobianFactors, params: Sequence[torch.Tensor], vector: torch.Tensor
+) -> torch.Tensor:
+    """``J v`` from the factors.
+
+    Parameters
+    ----------
+    parts : JacobianFactors
+        Factors of ``B`` samples, ``V`` rows.
+    params : sequence of torch.Tensor
+        The parameters in the Jacobian's column order.
+    vector : torch.Tensor
+        ``(P,)`` in that column order.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, V)`` in the promoted dtype of the factors and ``vector``.
+
+    """
+    dtype = torch.promote_types(parts.f.dtype, vector.dtype)
+    total = torch.zeros(parts.batch, parts.n_rows, dtype=dtype, device=parts.f.device)
+    start = 0
+    for p in params:
+        size = p.numel()
+        v = vector[start : start + size]
+        start += size
+        for entry in parts.factors.get(id(p), []):
+            total = total + _entry_jvp(entry, v)
+    return total
+
+
+def _entry_jvp(entry: Factors, v: torch.Tensor) -> torch.Tensor:
+    """``J_p v_p`` ``(B, V)`` of one factor entry and its parameter's slice."""
+    if isinstance(entry, Product):
+        n_out, width = entry.g.shape[2], entry.a.shape[2]
+        av = torch.einsum("blk,ok->bol", entry.a, v.reshape(n_out, width))
+        return torch.einsum("bvol,bol->bv", entry.g, av)
+    if isinstance(entry, Summed):
+        return torch.einsum("vbo,o->bv", entry.g.sum(3), v)
+    if isinstance(entry, Scattered):
+        rows = v.reshape(-1, entry.g.shape[3])[entry.index]  # (B, L, K)
+        return torch.einsum("vblk,blk->bv", entry.g, rows)
+    assert isinstance(entry, Dense)
+    return torch.einsum("vbn,n->bv", entry.block, v)
+
+
+def factor_ggn_diagonal(
+    parts: JacobianFactors, params: Sequence[torch.Tensor], lam: torch.Tensor
+) -> torch.Tensor:
+    """``Σ_b diag(J_bᵀ Λ_b J_b)`` from the factors.
+
+    Parameters
+    ----------
+    parts : JacobianFactors
+        Factors of ``B`` samples, ``V`` rows.
+    params : sequence of torch.Tensor
+        The parameters in the Jacobian's column order.
+    lam : torch.Tensor
+        ``(B, V, V)`` symmetric output Hessians.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(P,)`` in the promoted dtype of the factors and ``lam``.
+
+    """
+    dtype = torch.promote_types(parts.f.dtype, lam.dtype)
+    blocks = []
+    for p in params:
+        entries = parts.factors.get(id(p), [])
+        if not entries:
+            blocks.append(torch.zeros(p.numel(), dtype=dtype, device=lam.device))
+        elif len(entries) == 1 and _has_closed_form(entries[0]):
+            blocks.append(_entry_diagonal(entries[0], lam))
+        else:
+            blocks.append(_block_diagonal(parts, p, lam))
+    if not blocks:
+        return torch.zeros(0, dtype=dtype, device=lam.device)
+    return torch.cat([b.to(dtype) for b in blocks])
+
+
+def _has_closed_form(entry: Factors) -> bool:
+    if isinstance(entry, Product):
+        return entry.g.shape[3] == 1
+    return isinstance(entry, (Summed, Dense))
+
+
+def _entry_diagonal(entry: Factors, lam: torch.Tensor) -> torch.Tensor:
+    """The closed forms of the module docstring, ``(n,)`` for one parameter."""
+    if isinstance(entry, Product):
+        g = entry.g[..., 0]  # (B, V, out)
+        q = torch.einsum("bvo,bvw,bwo->bo", g, lam, g)
+        return torch.einsum("bo,bk->ok", q, entry.a[:, 0].square()).reshape(-1)
+    if isinstance(entry, Summed):
+        s = entry.g.sum(3)  # (V, B, out)
+        return torch.einsum("vbo,bvw,wbo->o", s, lam, s)
+    assert isinstance(entry, Dense)
+    return torch.einsum("vbn,bvw,wbn->n", entry.block, lam, entry.block)
+
+
+def _block_diagonal(
+    parts: JacobianFactors, p: torch.Tensor, lam: torch.Tensor
+) -> torch.Tensor:
+    """``p``'s diagonal from its block, a few samples at a time."""
+    per_sample = max(1, parts.n_rows * p.numel() * parts.f.element_size())
+    step = max(1, _BLOCK_BYTES // per_sample)
+    total = torch.zeros(p.numel(), dtype=lam.dtype, device=lam.device)
+    for start in range(0, parts.batch, step):
+        chunk = parts[slice(start, start + step)]
+        J = assemble(chunk.factors, [p], chunk.n_rows, chunk.batch, chunk.f)
+        lam_c = lam[start : start + step].to(J.dtype)
+        total = total + torch.einsum("bvn,bvw,bwn->n", J, lam_c, J).to(total)
+    return total
