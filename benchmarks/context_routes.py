@@ -1,0 +1,152 @@
+"""``ContextPosterior``'s fit and prediction: per-layer factors against Jacobians.
+
+The issue's case: a tanh MLP 20-256-256-10 written as a class (P = 73,738),
+M = 128 locations, C = 10 outputs, N = 2,000 training points, regression, float64
+sums, ``DiffBackPackGGN``. Routes:
+
+* ``factors``: the default (``structured=True``): every Gram, the GGN diagonal
+  and the dual mean from the engine's per-layer factors, neither ``J_Z``
+  (M·C × P) nor a batch's ``J`` formed;
+* ``jacobians``: ``structured=False``, forming the Jacobians as the package did
+  before (the locations' whitened Jacobians kept, ``G J_bᵀ`` per batch).
+
+Each route runs in its own process (so its peak resident memory is its own) and
+times, in that process, ``fit`` (one pass over the data), one prediction
+``cp(x*)`` at 256 test inputs with the dual mean, and ``log_marginal_likelihood``.
+The predictive variances and the evidence of the two routes are compared (``max
+relative difference``), so a fast wrong route shows. Data: synthetic (seeded
+normal inputs, the network's own outputs plus noise as targets).
+
+Run: ``python -m benchmarks.context_routes [--quick] [--out
+benchmarks/context_routes.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from laplace_diffjac import ContextPosterior
+
+ROUTES = ("factors", "jacobians")
+
+
+class ClassMLP(nn.Module):
+    """A tanh MLP written as a class (not ``nn.Sequential``)."""
+
+    def __init__(self, widths: list[int]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def _case(quick: bool) -> dict:
+    if quick:
+        return {"widths": [20, 32, 32, 10], "M": 16, "N": 200, "n_test": 32}
+    return {"widths": [20, 256, 256, 10], "M": 128, "N": 2000, "n_test": 256}
+
+
+def _run_route(route: str, quick: bool, out: Path) -> dict:
+    """One route in this process: times, peak memory; saves its numbers to ``out``."""
+    torch.set_num_threads(2)
+    case = _case(quick)
+    torch.manual_seed(0)
+    model = ClassMLP(case["widths"]).eval()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(case["N"], case["widths"][0], generator=gen)
+    with torch.no_grad():
+        y = model(x) + 0.1 * torch.randn(case["N"], case["widths"][-1], generator=gen)
+    z = x[: case["M"]].clone()
+    xs = torch.randn(case["n_test"], case["widths"][0], generator=gen)
+    cp = ContextPosterior(
+        model, "regression", z, sigma_noise=0.1, prior_precision=1.0,
+        predictive_mean="dual", structured=route == "factors",
+    )  # fmt: skip
+    start = time.perf_counter()
+    cp.fit((x, y))
+    fit_s = time.perf_counter() - start
+    start = time.perf_counter()
+    mean, var = cp(xs)
+    predict_s = time.perf_counter() - start
+    start = time.perf_counter()
+    evidence = cp.log_marginal_likelihood()
+    evidence_s = time.perf_counter() - start
+    torch.save({"mean": mean, "var": var, "evidence": evidence}, out)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB
+    return {
+        "fit_s": fit_s,
+        "predict_s": predict_s,
+        "evidence_s": evidence_s,
+        "peak_rss_gib": peak,
+        "n_params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--route", choices=ROUTES, help=argparse.SUPPRESS)
+    parser.add_argument("--numbers", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.route:  # a child process: one route
+        print(json.dumps(_run_route(args.route, args.quick, Path(args.numbers))))
+        return
+    results, numbers = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for route in ROUTES:
+            path = Path(tmp) / f"{route}.pt"
+            command = [sys.executable, "-m", "benchmarks.context_routes"]
+            command += ["--route", route, "--numbers", str(path)]
+            command += ["--quick"] if args.quick else []
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            results[route] = json.loads(done.stdout.strip().splitlines()[-1])
+            numbers[route] = torch.load(path)
+    ref, ours = numbers["jacobians"], numbers["factors"]
+    agreement = {
+        key: _relative(ours[key], ref[key]) for key in ("mean", "var", "evidence")
+    }
+    fast, slow = results["factors"], results["jacobians"]
+    report = {
+        "case": _case(args.quick),
+        "routes": results,
+        "max relative difference, factors vs jacobians": agreement,
+        "ratios (jacobians / factors)": {
+            key: slow[key] / fast[key]
+            for key in ("fit_s", "predict_s", "evidence_s", "peak_rss_gib")
+        },
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": 2,
+            "cpu": platform.processor() or platform.machine(),
+        },
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
