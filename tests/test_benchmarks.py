@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HARNESS = ROOT / "benchmarks/jacobians"
+RUN = ROOT / "benchmarks/jacobians/run.py"
+HARNESS = RUN.parent
 
 
 def _run_benchmarks(*args: str) -> None:
     """``python benchmarks/jacobians/run.py ARGS`` from the repository root."""
     proc = subprocess.run(
-        [sys.executable, str(HARNESS / "run.py"), *args],
+        [sys.executable, str(RUN), *args],
         capture_output=True,
         text=True,
         timeout=600,
