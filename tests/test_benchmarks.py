@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "benchmarks/jacobians/run.py"
+HARNESS = RUN.parent
 
 
 def _run_benchmarks(*args: str) -> None:
-    """``python benchmarks/run.py ARGS`` from the repository root; must succeed."""
+    """``python benchmarks/jacobians/run.py ARGS`` from the repository root."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), *args],
+        [sys.executable, str(RUN), *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -64,11 +66,11 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
 
 
 def test_timings_of_several_processes_combine_by_their_median() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(HARNESS))
     try:
         from run import merge_timings
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(HARNESS))
     results = [
         {"config": "c", "task": "jacobian", "method": m, "ok": True} for m in ("a", "b")
     ]

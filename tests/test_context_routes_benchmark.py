@@ -1,6 +1,6 @@
-"""``benchmarks/context_routes.py`` in its quick mode: both routes of the context
-posterior run in their own processes and agree (predictive mean, variance and
-evidence).
+"""``benchmarks/context_posterior/context_routes.py`` in its quick mode: both
+routes of the context posterior run in their own processes and agree (predictive
+mean, variance and evidence).
 
 No timing is asserted: quick-mode timings are single cold runs.
 """
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_context_routes_run_and_agree(tmp_path: Path) -> None:
     out = tmp_path / "context_routes.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.context_routes", "--quick"]
+        [sys.executable, "benchmarks/context_posterior/context_routes.py", "--quick"]
         + ["--out", str(out)],
         cwd=ROOT,
         capture_output=True,

@@ -1,4 +1,4 @@
-"""benchmarks/distributed_fit.py runs in quick mode (1 process and 2 gloo ranks).
+"""benchmarks/scaling/distributed_fit.py in quick mode (1 process and 2 gloo ranks).
 
 No timing is asserted: quick-mode timings are single cold runs. The two rows must
 agree on the data set size and the evidence (the ranks fit the union of shards).
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks/scaling/distributed_fit.py"
 
 
 @pytest.mark.slow
 def test_quick_distributed_fit_benchmark_writes_table(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "distributed_fit.py"), "--quick"]
-        + ["--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--quick"] + ["--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=900,

@@ -1,5 +1,5 @@
-"""``benchmarks/ntk_routes.py`` in its quick mode: every route runs or says why not,
-and every Gram that it times agrees with the per-layer factor route's.
+"""``benchmarks/jacobians/ntk_routes.py`` in its quick mode: every route runs or says
+why not, and every Gram that it times agrees with the per-layer factor route's.
 
 No timing is asserted: quick-mode timings are single cold runs.
 """
@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks/jacobians/ntk_routes.py"
 
 
 @pytest.mark.slow
 def test_quick_ntk_routes_run_and_agree(tmp_path: Path) -> None:
     out = tmp_path / "routes.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ntk_routes", "--quick", "--repeats", "1"]
+        [sys.executable, str(SCRIPT), "--quick", "--repeats", "1"]
         + ["--out", str(out)],
         cwd=ROOT,
         capture_output=True,

@@ -1,4 +1,4 @@
-"""benchmarks/scaling.py runs in quick mode (1 process and 2 gloo ranks).
+"""benchmarks/scaling/scaling.py runs in quick mode (1 process and 2 gloo ranks).
 
 No timing is asserted: quick-mode timings are single cold runs.
 """
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks/scaling/scaling.py"
 
 
 @pytest.mark.slow
 def test_quick_scaling_benchmark_writes_table_and_plot(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--quick"]
-        + ["--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--quick"] + ["--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=900,

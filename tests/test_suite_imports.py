@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-LOCAL = {"laplace_diffjac", "tests", "run"}  # run: benchmarks/run.py, by path
+LOCAL = {"laplace_diffjac", "tests", "run"}  # run: benchmarks/jacobians/run.py
 
 
 def _name(requirement: str) -> str:

@@ -4,8 +4,9 @@
 ``IterableDataset``) or a rank's shard under ``torch.distributed``, and answers
 what the location optimiser and the context posterior ask: batches, all inputs,
 size, checks. :mod:`._process_group` holds the sums over a process group (the
-identity without one), :mod:`._shards` a rank's rows of the data set, and
-:mod:`._checks` the checks every input passes where it enters.
+identity without one), :mod:`._shards` a rank's rows of the data set,
+:mod:`._checks` the checks every input passes where it enters, and :mod:`._ranks`
+the local ``gloo`` launcher of the tests and the multi-process benchmarks.
 """
 
 from ._checks import (

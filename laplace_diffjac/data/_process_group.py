@@ -1,6 +1,8 @@
 """Sums over data points across the processes of a ``torch.distributed`` group.
 
-The only module of the package that talks to ``torch.distributed``.
+The only module through which the package's computations talk to
+``torch.distributed`` (:mod:`._ranks` only starts local groups for the tests
+and benchmarks).
 
 When a process group is initialised (``torchrun``, or ``init_process_group`` by
 hand), each process holds its own shard of the training data; the shards, in rank

@@ -5,14 +5,14 @@ step inside a hand-written backward pass (:mod:`._cholesky`), so no autograd is
 needed there. On CPU in float64 these calls go to SciPy's LAPACK and BLAS
 (``dpotrf`` in place, ``dtrsm``), which skips the copies ``torch.linalg.cholesky_ex``
 makes around ``potrf`` (into column-major order, then zeroing the upper triangle)
-and, on the AMD EPYC machine of ``benchmarks/OPTIMIZER.md``, ran ``potrf`` and
-``trsm`` at ``n = 1260`` with 640 right-hand sides 1.8× and 1.1–1.5× faster than
+and, on the AMD EPYC machine of ``benchmarks/optimizer/OPTIMIZER.md``, ran ``potrf``
+and ``trsm`` at ``n = 1260`` with 640 right-hand sides 1.8× and 1.1–1.5× faster than
 PyTorch's MKL (single thread). That route is taken only when PyTorch runs on one
 thread (``torch.set_num_threads(1)`` or ``OMP_NUM_THREADS=1``), with SciPy's BLAS
 held to one thread too (through ``threadpoolctl``): with more threads a second
 pool, OpenBLAS's, would compete with PyTorch's OpenMP pool for the same cores.
-Measured with ``benchmarks/optimizer_defaults.py threads`` (100 steps, quiet
-2-core machine): PyTorch's two threads plus OpenBLAS's two made a small problem
+Measured with ``benchmarks/optimizer/optimizer_defaults.py threads`` (100 steps,
+quiet 2-core machine): PyTorch's two threads plus OpenBLAS's two made a small problem
 (M = 16) 8× slower in wall time than one thread (1.9 s against 0.23 s), 14× with
 two busy processes beside it; with ``torch.linalg`` on PyTorch's own threads the
 same run takes 0.30 s, and 20 steps on digits at M = 126 6.3 s against 8.7 s.

@@ -1,4 +1,4 @@
-"""benchmarks/bayesopt.py runs in quick mode with every method, and reports.
+"""benchmarks/bayesopt/bayesopt.py runs in quick mode with every method, and reports.
 
 No timing is asserted. Every method must run the same initial design, record a
 regret curve that never increases (it is the best value so far), one fit or
@@ -23,7 +23,7 @@ METHODS = 7
 
 @pytest.mark.slow
 def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
-    script = ROOT / "benchmarks" / "bayesopt.py"
+    script = ROOT / "benchmarks/bayesopt/bayesopt.py"
     command = [sys.executable, str(script), "--quick", "--workers", "1"]
     proc = subprocess.run(
         [*command, "--out", str(tmp_path)],

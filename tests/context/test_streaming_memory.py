@@ -1,7 +1,7 @@
 """Streaming keeps peak memory flat in N (each N measured in a fresh process).
 
 The inputs come from an IterableDataset that generates them batch by batch
-(``benchmarks/scaling.py``'s ``Generated``), so they are never materialised.
+(``benchmarks/scaling/scaling.py``'s ``Generated``), so they are never materialised.
 For the optimiser and for ``ContextPosterior.fit`` the work's peak resident
 memory above the RSS just before it (imports excluded, ``/proc`` high-water
 mark reset) at N = 200k stays within 10% (+ 8 MiB of allocator slack) of that
@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks/scaling/scaling.py"
 
 
 def _peak_increment_mib(job: str, n: int) -> float:
     cfg = dict(model="cnn", n=n, m=16, world=1, steps=3, job=job)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--worker"]
-        + [json.dumps(cfg)],
+        [sys.executable, str(SCRIPT), "--worker"] + [json.dumps(cfg)],
         capture_output=True,
         text=True,
         timeout=600,

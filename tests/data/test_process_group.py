@@ -12,7 +12,7 @@ from laplace_diffjac.data import (
     shard_offsets,
     world_size,
 )
-from tests.distributed import run_on_ranks
+from laplace_diffjac.data._ranks import run_on_ranks
 
 
 def _sum_and_offsets(r: int, world: int, sizes: list[int]):

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from laplace_diffjac import DiffFuncGGN
-from tests.distributed import run_on_ranks
+from laplace_diffjac.data._ranks import run_on_ranks
 
 from .shards import assert_ranks_equal_reference
 

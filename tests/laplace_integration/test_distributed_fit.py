@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
+from laplace_diffjac.data._ranks import run_on_ranks
 from tests.conftest import ON_LAPLACE_03
-from tests.distributed import run_on_ranks
 
 from .helpers import base_model, n_outputs_for, query_inputs
 from .shards import (

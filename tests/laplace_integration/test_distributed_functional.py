@@ -13,7 +13,7 @@ from laplace import Laplace
 from torch.utils.data import DataLoader
 
 from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN
-from tests.distributed import run_on_ranks
+from laplace_diffjac.data._ranks import run_on_ranks
 
 from .helpers import base_model, n_outputs_for, query_inputs
 from .shards import BATCH, SHARDS, assert_ranks_equal_reference, dataset, shard

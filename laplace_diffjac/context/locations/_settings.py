@@ -66,8 +66,8 @@ class LocationSettings:
         PyTorch threads for the optimisation steps (restored afterwards).
         ``None``: one thread when ``M·C <= 256``, where a step is too small to
         gain from more and PyTorch's thread pool lost 5× in wall time to two busy
-        processes beside it (``benchmarks/optimizer_defaults.py threads``), else
-        PyTorch's own setting.
+        processes beside it (``benchmarks/optimizer/optimizer_defaults.py
+        threads``), else PyTorch's own setting.
 
     Raises
     ------

@@ -570,9 +570,7 @@ class ContextPosterior:
         """The locations' features (factors or ``J_Z``), detached, float64."""
         Z = self.locations.to(device=self._device, dtype=self._compute_dtype)
         with torch.no_grad():
-            features = batch_features(
-                self._compute_backend, Z, False, self.structured
-            )
+            features = batch_features(self._compute_backend, Z, False, self.structured)
         return features.detach()
 
     def _offset(self) -> torch.Tensor:

@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_diffjac import DiffBackPackGGN
 from laplace_diffjac.context import LocationSettings, nystrom_gap, optimize_locations
+from laplace_diffjac.data._ranks import run_on_ranks
 from laplace_diffjac.errors import InvalidInputError
 from laplace_diffjac.kernels._likelihood_hessians import output_hessians
 from tests.conftest import CASES
-from tests.distributed import run_on_ranks
 
 MLP = CASES[1]  # mlp-C3
 N, M, STEPS, BATCH = 23, 4, 8, 7

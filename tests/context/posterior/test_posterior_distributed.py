@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_diffjac.backends import DiffBackPackGGN, as_backend
 from laplace_diffjac.context import ContextPosterior, evidence_loss_backward
+from laplace_diffjac.data._ranks import run_on_ranks
 from tests.conftest import CASES
-from tests.distributed import run_on_ranks
 from tests.references import reference_jacobians
 
 MLP = CASES[1]

@@ -2,7 +2,9 @@
 
 Writes a Markdown table. Usage::
 
-    python benchmarks/context_update.py [--quick] [--out benchmarks/CONTEXT_UPDATE.md]
+    python benchmarks/context_posterior/context_update.py [--quick] [--out FILE.md]
+
+(default ``--out``: ``CONTEXT_UPDATE.md`` beside this script)
 
 Setting: a 2-50-50-C tanh MLP, ``N`` old points, ``b`` new ones, ``M`` locations;
 median of ``--repeats`` runs, single process. ``update`` touches only the ``b`` new
@@ -20,6 +22,8 @@ import torch
 from torch import nn
 
 from laplace_diffjac.context import ContextPosterior
+
+HERE = Path(__file__).resolve().parent
 
 
 def _time(fn, repeats: int) -> float:
@@ -62,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/CONTEXT_UPDATE.md")
+    parser.add_argument("--out", default=str(HERE / "CONTEXT_UPDATE.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     configs = [(2000, 50, 20, 1), (2000, 50, 50, 3)]

@@ -13,27 +13,25 @@ RSS just before it, and the process's max RSS (largest over the ranks).
 
 Usage::
 
-    python benchmarks/scaling.py            # full grid, writes SCALING.md/.png
-    python benchmarks/scaling.py --quick    # tiny grid (exercised by a test)
+    python benchmarks/scaling/scaling.py            # full grid, SCALING.md/.png here
+    python benchmarks/scaling/scaling.py --quick    # tiny grid (exercised by a test)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import resource
-import subprocess
-import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from fresh import run_fresh  # benchmarks/scaling/ is on sys.path
+from memory import reset_peak, rss_kib
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
+
+from laplace_diffjac.data._ranks import run_on_ranks
 
 HERE = pathlib.Path(__file__).resolve().parent
 BATCH = 256
@@ -72,25 +70,6 @@ def make_model(kind: str) -> tuple[nn.Module, tuple]:
     return net, (1, 8, 8)
 
 
-def _rss_kib(field: str) -> int:
-    """``VmRSS`` or ``VmHWM`` of this process from ``/proc/self/status``, KiB."""
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    """Reset this process's peak RSS to its current RSS; return that RSS, KiB.
-
-    Linux resets ``VmHWM`` when ``5`` is written to ``/proc/self/clear_refs``;
-    the peak measured afterwards is then the work's own high-water mark, not
-    that of the imports before it.
-    """
-    pathlib.Path("/proc/self/clear_refs").write_text("5")
-    return _rss_kib("VmRSS")
-
-
 def measure(rank: int, world: int, cfg: dict) -> dict:
     """One measurement on this rank: the optimiser or ``ContextPosterior.fit``.
 
@@ -108,7 +87,7 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     model, shape = make_model(cfg["model"])
     loader = DataLoader(Generated(cfg["n"], shape, rank, world), batch_size=None)
     out = {"step_s": float("nan"), "pass_s": float("nan"), "fit_s": float("nan")}
-    before = _reset_peak()
+    before = reset_peak()
     start = time.perf_counter()
     if cfg["job"] == "optimize":
         settings = LocationSettings(
@@ -127,21 +106,9 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
         locations = torch.randn((cfg["m"], *shape), generator=gen)
         ContextPosterior(model, "regression", locations).fit(loader)
         out["fit_s"] = time.perf_counter() - start
-    out["peak_inc_mib"] = (_rss_kib("VmHWM") - before) / 1024
+    out["peak_inc_mib"] = (rss_kib("VmHWM") - before) / 1024
     out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
-
-
-def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world
-    )
-    try:
-        out = measure(rank, world, cfg)
-        (pathlib.Path(folder) / f"{rank}.json").write_text(json.dumps(out))
-    finally:
-        dist.destroy_process_group()
 
 
 def worker(cfg: dict) -> dict:
@@ -149,29 +116,17 @@ def worker(cfg: dict) -> dict:
     if cfg["world"] == 1:
         torch.set_num_threads(1)
         return measure(0, 1, cfg)
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank_main, args=(cfg["world"], folder, cfg), nprocs=cfg["world"])
-        outs = [
-            json.loads((pathlib.Path(folder) / f"{r}.json").read_text())
-            for r in range(cfg["world"])
-        ]
+    outs = run_on_ranks(measure, cfg["world"], cfg)
     keys = ("step_s", "pass_s", "fit_s", "rss_mib", "peak_inc_mib")
     return {k: max(o[k] for o in outs) for k in keys}
 
 
-def run_fresh(cfg: dict) -> dict:
+def _fresh(cfg: dict) -> dict:
     """Measure ``cfg`` in a fresh Python process."""
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    env = {}
     if cfg.get("mmap_threshold"):  # glibc: fixed instead of adaptive threshold
         env["MALLOC_MMAP_THRESHOLD_"] = str(cfg["mmap_threshold"])
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_fresh(__file__, cfg, **env)
 
 
 SIZES = (10_000, 100_000, 1_000_000)
@@ -229,13 +184,13 @@ def report(rows: list[dict], folder: pathlib.Path) -> None:
     lines = [
         "# Scaling with N (streamed IterableDataset, batch 256)",
         "",
-        "Written by `python benchmarks/scaling.py`. Each row is a fresh process",
-        "(K gloo ranks for K ranks, one thread each). `peak over base`: the",
-        "work's peak RSS above the RSS just before it (after imports, model and",
-        "loader; the largest over the ranks); `max RSS`: the process's whole peak,",
-        "imports included. `malloc`: glibc's default (adaptive mmap threshold) or",
-        "`MALLOC_MMAP_THRESHOLD_` fixed, which keeps freed large blocks from",
-        "fragmenting the heap.",
+        "Written by `python benchmarks/scaling/scaling.py`. Each row is a fresh",
+        "process (K gloo ranks for K ranks, one thread each). `peak over base`:",
+        "the work's peak RSS above the RSS just before it (after imports, model",
+        "and loader; the largest over the ranks); `max RSS`: the process's whole",
+        "peak, imports included. `malloc`: glibc's default (adaptive mmap",
+        "threshold) or `MALLOC_MMAP_THRESHOLD_` fixed, which keeps freed large",
+        "blocks from fragmenting the heap.",
         "",
         "| job | model | M | N | ranks | s / step | data pass s | fit s "
         "| peak over base MiB | max RSS MiB | malloc |",
@@ -314,7 +269,7 @@ def main() -> None:
     rows = json.loads(saved.read_text()) if args.append and saved.exists() else []
     for cfg in grid("quick" if args.quick else args.grid):
         start = time.perf_counter()
-        rows.append(dict(cfg, **run_fresh(cfg)))
+        rows.append(dict(cfg, **_fresh(cfg)))
         print(json.dumps(rows[-1]), f"{time.perf_counter() - start:.0f}s", flush=True)
         saved.write_text(json.dumps(rows, indent=1))
         report(rows, args.out)  # after every row: a cut-short run keeps its rows

@@ -17,8 +17,9 @@ The predictive variances and the evidence of the two routes are compared (``max
 relative difference``), so a fast wrong route shows. Data: synthetic (seeded
 normal inputs, the network's own outputs plus noise as targets).
 
-Run: ``python -m benchmarks.context_routes [--quick] [--out
-benchmarks/context_routes.json]``.
+Run: ``python benchmarks/context_posterior/context_routes.py [--quick] [--out
+PATH]``; without ``--quick`` the results go to ``context_routes.json`` beside
+this script (``--quick`` writes only where ``--out`` says).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for route in ROUTES:
             path = Path(tmp) / f"{route}.pt"
-            command = [sys.executable, "-m", "benchmarks.context_routes"]
+            command = [sys.executable, str(Path(__file__).resolve())]
             command += ["--route", route, "--numbers", str(path)]
             command += ["--quick"] if args.quick else []
             done = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -144,8 +145,9 @@ def main() -> None:
     }
     text = json.dumps(report, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    out = args.out or (None if args.quick else Path(__file__).with_suffix(".json"))
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ after one warm-up, seconds.
 Every route's Gram is compared with the factor route's (``max relative difference
 to factors``), so a fast wrong route shows.
 
-Run: ``python -m benchmarks.ntk_routes [--quick] [--out benchmarks/ntk_routes.json]``.
+Run: ``python benchmarks/jacobians/ntk_routes.py [--quick] [--out FILE.json]`` (its
+recorded run: ``ntk_routes.json`` beside this script, read in ``NTK_ROUTES.md``).
 """
 
 from __future__ import annotations

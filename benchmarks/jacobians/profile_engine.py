@@ -1,4 +1,4 @@
-"""Where the time of one Jacobian route goes: ``python benchmarks/profile_engine.py``.
+"""Where the time of one Jacobian route goes: ``python profile_engine.py [options]``.
 
 Prints torch.profiler's operator table of the full step (Jacobians + gradient of
 ``‖J‖²`` w.r.t. x, or w.r.t. the parameters for token inputs), e.g.

@@ -1,4 +1,4 @@
-"""Benchmark the Jacobian routes side by side: ``python benchmarks/run.py [--quick]``.
+"""Jacobian routes side by side: ``python benchmarks/jacobians/run.py [--quick]``.
 
 Peak memory and correctness: every (configuration, method) pair runs in its own
 fresh subprocess (:mod:`worker`), so the peak-memory figures do not see each
@@ -7,7 +7,7 @@ turn, round after round, so that the machine's slow and fast spells fall on all
 of them alike; this is repeated in ``--repeats`` separate processes (default 3,
 spread over the run) and the medians are combined by their median, so that the
 luck of one process's memory layout does not decide a ratio. The Markdown
-report (default ``benchmarks/RESULTS.md``) and the raw results (``--json``) are
+report (default ``RESULTS.md`` beside this script) and the raw results (``--json``) are
 written by :mod:`report`. ``--quick`` runs smoke-size cases in well under a minute;
 its timings mean nothing, it checks the harness (``tests/test_benchmarks.py``).
 """

@@ -1,18 +1,19 @@
 """The context posterior's numerics: the evidence's δ against M, and its speed.
 
-``python benchmarks/context_numerics.py evidence [--quick]`` re-measures the
-"Hyperparameters by evidence" table (docs/posterior.md) on the demo's regression
-(N = 400 with a gap, 1-50-50-1 tanh MLP, σ = 0.1, seed 0): the prior precision chosen by
+``python benchmarks/context_posterior/context_numerics.py evidence [--quick]``
+re-measures the "Hyperparameters by evidence" table (docs/posterior.md) on the
+demo's regression (N = 400 with a gap, 1-50-50-1 tanh MLP, σ = 0.1, seed 0): the
+prior precision chosen by
 ``ContextPosterior.optimize_prior_precision(method="marglik")`` with the default
 jitter, on M optimised locations (the demo's optimiser from a random start) and
 on ``Z = X``, beside laplace-torch's own float64 ``FullLaplace`` maximiser; and
 the batch-size spread of the evidence (batch 400 against 16) at each M.
 
-``python benchmarks/context_numerics.py timing [--quick] [--out FILE.json]``
+``python benchmarks/context_posterior/context_numerics.py timing [--quick] [--out F]``
 times ``fit``, a prediction on 1000 inputs and the evidence (one value, then a
 20-value δ search) of the package it imports (one thread, float64, median of
 repeats), so that running it with ``PYTHONPATH`` at an older checkout gives the
-before/after comparison of ``benchmarks/CONTEXT_NUMERICS.md``.
+before/after comparison of ``CONTEXT_NUMERICS.md`` (beside this script).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Report of ``benchmarks/bayesopt.py``: tables, the criterion check, regret curves."""
+"""Report of ``bayesopt.py``: tables, the criterion check, regret curves."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
             f"{r['wall_s'] / 60:.1f} min wall, {r['workers']} worker process(es) of "
             "one thread"
         )
-    lines += ["", "Settings: `run.json` and `benchmarks/bayesopt.py`.", ""]
+    lines += ["", "Settings: `run.json` and `benchmarks/bayesopt/bayesopt.py`.", ""]
     lines += [
         "Simple regret after the last iteration (optimum minus the best value "
         "observed), mean ± standard error over seeds; seconds per iteration are "

@@ -1,6 +1,6 @@
 """Measure the location optimiser's defaults: minibatch size and threads.
 
-``python benchmarks/optimizer_defaults.py minibatch [--quick]``: on the demo's
+``python benchmarks/optimizer/optimizer_defaults.py minibatch [--quick]``: on the demo's
 regression (N = 400 with a gap, 1-50-50-1 tanh, M = 16) and on two moons
 (2-50-50-2, M = 16), and with ``--digits`` on scikit-learn's digits (N = 1257,
 64-50-50-10, M = 126; needs the ``study`` extra), for minibatch sizes 32-256:
@@ -9,7 +9,7 @@ standard deviation at the initial locations (the objective's noise), and the
 full-data Nyström gap after 200 steps (same seed, the default learning rate)
 relative to the initial gap.
 
-``python benchmarks/optimizer_defaults.py threads [--quick]``: 100 steps on a
+``python benchmarks/optimizer/optimizer_defaults.py threads [--quick]``: 100 steps on a
 small problem (N = 300, 2-32-32-1, M = 16) and on the demo's regression with
 M = 64, each in a fresh process, with PyTorch's default threads, with
 ``torch.set_num_threads(1)``, and with ``OMP_NUM_THREADS=1``, on a quiet machine
@@ -98,7 +98,7 @@ def minibatch(args) -> list[dict]:
 _CHILD = """
 import sys, time, torch
 from laplace_diffjac import optimize_locations
-from benchmarks.optimizer_defaults import _small, _problem
+from optimizer_defaults import _small, _problem
 if sys.argv[1] == "one": torch.set_num_threads(1)
 model, x, task, m = _small() if sys.argv[2] == "small" else _problem("regression")
 m = 16 if sys.argv[2] == "small" else 64
@@ -124,10 +124,10 @@ def _run_child(mode: str, size: str, steps: int) -> tuple[float, float]:
     env.pop("OMP_NUM_THREADS", None)
     if mode == "omp1":
         env["OMP_NUM_THREADS"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))  # the child imports this module
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, mode, size, str(steps)],
-        env=env, cwd=root, capture_output=True, text=True, check=True, timeout=900,
+        env=env, cwd=here, capture_output=True, text=True, check=True, timeout=900,
     )  # fmt: skip
     cpu, wall = out.stdout.split()[-2:]
     return float(cpu), float(wall)

@@ -29,9 +29,9 @@ process with one thread. Measured per iteration: the surrogate's fit or update
 
 Usage::
 
-    python benchmarks/bayesopt.py                      # the full run, results/bayesopt
-    python benchmarks/bayesopt.py --quick --out DIR    # seconds; exercised by a test
-    python benchmarks/bayesopt.py --report-only --out benchmarks/results/bayesopt
+    python benchmarks/bayesopt/bayesopt.py                    # the full run, here
+    python benchmarks/bayesopt/bayesopt.py --quick --out DIR  # seconds; run by a test
+    python benchmarks/bayesopt/bayesopt.py --report-only      # the report again
 
 Writes ``DIR/raw/<function>_<method>_<seed>.json`` as tasks finish (``--resume``
 keeps them), then ``DIR/BAYESOPT.md``, ``DIR/bayesopt.json`` and
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results" / "bayesopt"
+DEFAULT_OUT = HERE  # the recorded run: raw/, run.json, BAYESOPT.md, ...
 
 FUNCTIONS = ("branin", "hartmann", "ackley")
 METHODS = (
@@ -309,7 +309,9 @@ def run(cfg: Config, out: pathlib.Path, workers: int, resume: bool) -> None:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
             list(pool.imap_unordered(_worker, jobs))
     run_info = {
-        "command": " ".join(["python", "benchmarks/bayesopt.py", *sys.argv[1:]]),
+        "command": " ".join(
+            ["python", "benchmarks/bayesopt/bayesopt.py", *sys.argv[1:]]
+        ),
         "start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
         "wall_s": time.time() - started,
         "workers": workers,
@@ -347,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = replace(cfg, **{k: v for k, v in given.items() if k in asdict(cfg)})
     if not args.report_only:
         run(cfg, args.out, args.workers, args.resume)
-    from bayesopt_report import write_report  # benchmarks/ is on sys.path
+    from bayesopt_report import write_report  # its folder is on sys.path
 
     write_report(args.out, cfg)
 

@@ -1,4 +1,4 @@
-"""One measurement in a fresh process: ``python benchmarks/worker.py SPEC_JSON``.
+"""One measurement in a fresh process: ``python worker.py SPEC_JSON`` (by run.py).
 
 Prints one line ``RESULT {json}`` per method of the spec. Tasks:
 

@@ -1,7 +1,7 @@
 """Time the location optimiser and ``ContextPosterior.fit`` on digits, one thread.
 
-``python benchmarks/optimizer_speed.py [--quick] [--headline]`` writes
-``benchmarks/OPTIMIZER.md`` (and ``OPTIMIZER.json``). Data: scikit-learn's
+``python benchmarks/optimizer/optimizer_speed.py [--quick] [--headline]`` writes
+``OPTIMIZER.md`` (and ``OPTIMIZER.json``) beside this script. Data: scikit-learn's
 ``load_digits`` (standardised, the first 70 %: N = 1257, 64 features, 10 classes),
 a ``64-w-w-10`` tanh MLP trained briefly with Adam (the timings do not depend on
 how well it is trained). Everything runs in float32 with
@@ -248,7 +248,7 @@ def report(result: dict, args: argparse.Namespace) -> str:
     lines = [
         "# Location optimiser and ContextPosterior.fit: speed",
         "",
-        f"Written by `python benchmarks/optimizer_speed.py{flags}` on {cpu}, "
+        f"Written by `python benchmarks/optimizer/optimizer_speed.py{flags}` on {cpu}, "
         f"torch {torch.__version__}, one thread. Digits (N as listed), 64-w-w-10 tanh "
         f"MLP, 10 classes, minibatch {result['batch']}. CPU seconds of the process "
         "(median of repeats; wall seconds in brackets, inflated when the machine is "
