@@ -34,6 +34,9 @@ __all__ = ["BatchFeatures", "FactorBatch", "JacobianBatch", "batch_features"]
 
 Columns = tuple[int, int]
 
+#: Inputs per Gram when joint blocks of ``q`` inputs are computed together.
+_JOINT_INPUTS = 64
+
 
 class BatchFeatures(ABC):
     """A batch's outputs and Jacobians, in float64.
@@ -251,15 +254,23 @@ class FactorBatch(BatchFeatures):
         return factor_gram(self.parts, None, self.params, prior_var.to(torch.float64))
 
     def _joint_blocks(self, prior_var: torch.Tensor, q: int) -> torch.Tensor:
-        n, width = self.batch // q, q * self.n_outputs
+        # k groups at a time: one Gram of k q inputs, its k diagonal blocks kept
+        # (k times the work of the blocks alone, in a few large contractions
+        # instead of one small one per group: BoTorch asks for hundreds)
+        n, C = self.batch // q, self.n_outputs
+        k = max(1, _JOINT_INPUTS // q)
+        var = prior_var.to(torch.float64)
         blocks = []
-        for i in range(n):
-            part = self.parts[slice(i * q, (i + 1) * q)]
-            K = factor_gram(part, part, self.params, prior_var.to(torch.float64))
-            blocks.append(K.permute(0, 2, 1, 3).reshape(width, width))
+        for start in range(0, n, k):
+            stop = min(n, start + k)
+            part = self.parts[slice(start * q, stop * q)]
+            K = factor_gram(part, part, self.params, var)  # (kq, kq, C, C)
+            K = K.reshape(stop - start, q, stop - start, q, C, C)
+            K = K.diagonal(dim1=0, dim2=2)  # (q, q, C, C, k)
+            blocks.append(K.permute(4, 0, 2, 1, 3).reshape(-1, q * C, q * C))
         if not blocks:
-            return self.f.new_zeros(0, width, width)
-        return torch.stack(blocks)
+            return self.f.new_zeros(0, q * C, q * C)
+        return torch.cat(blocks)
 
     def jvp(self, vector: torch.Tensor) -> torch.Tensor:
         """See :meth:`BatchFeatures.jvp`."""

@@ -242,3 +242,16 @@ def test_a_state_of_the_previous_format_loads_to_the_same_posterior():
     torch.testing.assert_close(
         loaded.log_marginal_likelihood(), cp.log_marginal_likelihood(), **TOL
     )
+
+
+def test_joint_blocks_of_many_q_batches_equal_the_dense_covariance():
+    """More q-batches than one contraction takes (``_JOINT_INPUTS``), so several."""
+    model, x, y, z, _ = _problem("residual-shared", "regression")
+    _, xs = built("residual-shared", 25 * 3, seed=6)
+    cp = ContextPosterior(
+        model, "regression", z, sigma_noise=0.3, prior_precision=2.0, jitter=0.0
+    ).fit((x, y))
+    cov, _ = _dense(model, x, y, z, xs, "regression", 2.0, 0.3)
+    _, joint = cp.joint_predictive(xs.reshape(25, 3, -1))
+    dense = cov.reshape(25, 9, 25, 9).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    torch.testing.assert_close(joint, dense, **TOL)
