@@ -30,7 +30,14 @@ from ...jacobians._factor_products import factor_ggn_diagonal, factor_jvp
 from ...kernels import factor_route_applies
 from ...kernels._factor_gram import factor_gram
 
-__all__ = ["BatchFeatures", "FactorBatch", "JacobianBatch", "batch_features"]
+__all__ = [
+    "BatchFeatures",
+    "FactorBatch",
+    "JacobianBatch",
+    "batch_features",
+    "given_jacobians",
+    "location_features",
+]
 
 Columns = tuple[int, int]
 
@@ -314,3 +321,29 @@ def batch_features(
     else:
         Js, f = backend.jacobians(x, enable_backprop=enable_backprop)
     return JacobianBatch(Js, f)
+
+
+def location_features(
+    backend: JacobianBackend, locations: torch.Tensor, structured: bool
+) -> BatchFeatures:
+    """The locations' features, computed without a graph and detached.
+
+    Returns
+    -------
+    BatchFeatures
+
+    """
+    with torch.no_grad():
+        features = batch_features(backend, locations, False, structured)
+    return features.detach()
+
+
+def given_jacobians(Js: torch.Tensor) -> JacobianBatch:
+    """Jacobians ``(B*, C, P)`` that a caller passed, as features (no outputs).
+
+    Returns
+    -------
+    JacobianBatch
+
+    """
+    return JacobianBatch(Js, Js.new_zeros(Js.shape[:2]))

@@ -45,7 +45,12 @@ from ._data_pass import accumulate, compute_copy, sync_copy
 from ._dual_mean import check_predictive_mean, dual_mean
 from ._evidence import evidence_terms, log_likelihood
 from ._factor_cache import FactorCache, PredictiveFactor
-from ._features import BatchFeatures, JacobianBatch, batch_features
+from ._features import (
+    BatchFeatures,
+    batch_features,
+    given_jacobians,
+    location_features,
+)
 from ._hyperparameters import (
     PriorGroups,
     check_prior_precision,
@@ -54,14 +59,15 @@ from ._hyperparameters import (
     infer_structure,
     layer_sizes,
 )
-from ._predictive import gaussian_samples, latent_covariance, link_probabilities
+from ._laplace_predictive import LaplacePredictive
+from ._predictive import latent_covariance, q_batch_shape
 from ._state import load_posterior_state, posterior_state
 from ._statistics import Accumulators, reduce_accumulators
 
 __all__ = ["ContextPosterior"]
 
 
-class ContextPosterior:
+class ContextPosterior(LaplacePredictive):
     """DTC linearised-Laplace posterior through context locations.
 
     Call it like a laplace-torch Laplace object: ``la(x)`` returns ``(mean, var)``
@@ -569,9 +575,7 @@ class ContextPosterior:
     def _location_features(self) -> BatchFeatures:
         """The locations' features (factors or ``J_Z``), detached, float64."""
         Z = self.locations.to(device=self._device, dtype=self._compute_dtype)
-        with torch.no_grad():
-            features = batch_features(self._compute_backend, Z, False, self.structured)
-        return features.detach()
+        return location_features(self._compute_backend, Z, self.structured)
 
     def _offset(self) -> torch.Tensor:
         """``θ* − μ₀`` ``(P,)`` in float64 (the dual mean's linearisation)."""
@@ -619,7 +623,7 @@ class ContextPosterior:
             ``(B*, C, C)`` in ``Js``'s dtype.
 
         """
-        features = _given_jacobians(Js)
+        features = given_jacobians(Js)
         T = self._whitened_cross(features)
         return self._variance(features, T).to(Js.dtype)
 
@@ -645,7 +649,7 @@ class ContextPosterior:
 
         """
         lead, (q, C, P) = Js.shape[:-3], Js.shape[-3:]
-        features = _given_jacobians(Js.reshape(-1, C, P))
+        features = given_jacobians(Js.reshape(-1, C, P))
         covariance = self._covariance(features, self._whitened_cross(features), q)
         return covariance.reshape(*lead, q * C, q * C).to(Js.dtype)
 
@@ -680,13 +684,7 @@ class ContextPosterior:
             shape, or as for prediction.
 
         """
-        feature_dims = self.locations.dim() - 1
-        lead = x.shape[: x.dim() - feature_dims]
-        if not lead or x.shape[x.dim() - feature_dims :] != self.locations.shape[1:]:
-            raise InvalidInputError(
-                f"x has shape {tuple(x.shape)}; expected (*batch, q, "
-                f"{', '.join(map(str, self.locations.shape[1:]))}) like the locations."
-            )
+        lead = q_batch_shape(x, self.locations.shape[1:])
         flat = x.reshape(-1, *self.locations.shape[1:])
         f, features, T = self._predictive_pieces(flat)
         q, C = lead[-1], features.n_outputs
@@ -726,107 +724,3 @@ class ContextPosterior:
             covariance = self._covariance(features, T, features.batch)[0]
             return self._as_output(f.flatten(), covariance)
         return self._as_output(f, self._variance(features, T))
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        pred_type: str = "glm",
-        joint: bool = False,
-        link_approx: str = "probit",
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-        fitting: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Posterior predictive, as laplace-torch's ``la(x, pred_type='glm')``.
-
-        Parameters
-        ----------
-        x : torch.Tensor
-            Test inputs ``(B*, *input_shape)``.
-        pred_type : {'glm', 'gp'}, default='glm'
-            Both mean the linearised (GP) predictive.
-        joint : bool, default=False
-            Regression: return the joint ``(B* C,)`` mean and ``(B* C, B* C)``
-            covariance.
-        link_approx : {'probit', 'mc', 'bridge', 'bridge_norm'}, default='probit'
-            Classification link approximation.
-        n_samples : int, default=100
-            Samples for ``link_approx='mc'``.
-        diagonal_output : bool, default=False
-            Regression: return variances ``(B*, C)`` instead of ``(B*, C, C)``;
-            ``'mc'``: sample with a diagonal covariance.
-        generator : torch.Generator, optional
-            Random generator for ``'mc'``.
-        fitting : bool, default=False
-            Accepted for laplace-torch's ``validate``; no effect.
-
-        Returns
-        -------
-        torch.Tensor or tuple of torch.Tensor
-            Regression: ``(mean (B*, C), var (B*, C, C))`` without observation
-            noise (add ``sigma_noise**2`` for the predictive of ``y``).
-            Classification: probabilities ``(B*, C)``.
-
-        Raises
-        ------
-        ValueError
-            For an unsupported ``pred_type`` or ``link_approx``.
-
-        """
-        if pred_type not in ("glm", "gp"):
-            raise ValueError(f"pred_type must be 'glm' or 'gp', got {pred_type!r}.")
-        regression = self.likelihood == "regression"
-        f_mu, f_var = self._glm_predictive_distribution(x, joint=joint and regression)
-        if regression:
-            if diagonal_output and not joint:
-                f_var = f_var.diagonal(dim1=-2, dim2=-1)
-            return f_mu, f_var
-        return link_probabilities(
-            f_mu, f_var, link_approx, n_samples, diagonal_output, generator
-        )
-
-    def predictive_samples(
-        self,
-        x: torch.Tensor,
-        pred_type: str = "glm",
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Samples of the predictive (softmax applied for classification).
-
-        Parameters
-        ----------
-        x : torch.Tensor
-            ``(B*, *input_shape)``.
-        pred_type : {'glm', 'gp'}, default='glm'
-            As laplace-torch's; both mean the linearised predictive.
-        n_samples : int, default=100
-            Number of samples.
-        diagonal_output : bool, default=False
-            Sample with diagonal output covariance.
-        generator : torch.Generator, optional
-            Random generator.
-
-        Returns
-        -------
-        torch.Tensor
-            ``(n_samples, B*, C)``.
-
-        Raises
-        ------
-        ValueError
-            For an unsupported ``pred_type``.
-
-        """
-        if pred_type not in ("glm", "gp"):
-            raise ValueError(f"pred_type must be 'glm' or 'gp', got {pred_type!r}.")
-        f_mu, f_var = self._glm_predictive_distribution(x)
-        samples = gaussian_samples(f_mu, f_var, n_samples, diagonal_output, generator)
-        return samples if self.likelihood == "regression" else samples.softmax(-1)
-
-
-def _given_jacobians(Js: torch.Tensor) -> JacobianBatch:
-    """Jacobians ``(B*, C, P)`` that a caller passed, as features (no outputs)."""
-    return JacobianBatch(Js, Js.new_zeros(Js.shape[:2]))

@@ -6,12 +6,15 @@ import math
 
 import torch
 
+from ...errors import InvalidInputError
+
 __all__ = [
     "gaussian_samples",
     "latent_covariance",
     "laplace_bridge",
     "link_probabilities",
     "probit",
+    "q_batch_shape",
 ]
 
 LINKS = ("probit", "mc", "bridge", "bridge_norm")
@@ -37,6 +40,29 @@ def latent_covariance(K_ss: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
     """
     V = V.reshape(*K_ss.shape[:2], -1)
     return K_ss.to(torch.float64) - V @ V.transpose(1, 2)
+
+
+def q_batch_shape(x: torch.Tensor, feature_shape: torch.Size) -> torch.Size:
+    """The leading ``(*batch, q)`` of BoTorch-style inputs ``(*batch, q, *features)``.
+
+    Returns
+    -------
+    torch.Size
+
+    Raises
+    ------
+    InvalidInputError
+        For inputs without a ``q`` axis in front of ``feature_shape``.
+
+    """
+    feature_dims = len(feature_shape)
+    lead = x.shape[: x.dim() - feature_dims]
+    if not lead or x.shape[x.dim() - feature_dims :] != feature_shape:
+        raise InvalidInputError(
+            f"x has shape {tuple(x.shape)}; expected (*batch, q, "
+            f"{', '.join(map(str, feature_shape))}) like the locations."
+        )
+    return lead
 
 
 def gaussian_samples(
