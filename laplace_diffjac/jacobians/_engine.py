@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, UnsupportedModuleError
 from ._assembly import Factors, Product, assemble
 from ._derivatives import (
     FORWARDS,
@@ -40,7 +40,7 @@ from ._derivatives import (
 )
 from ._elementary import rewritten_modules
 from ._inputs import batch_size, check_model_output, detached
-from ._layer_calls import recorded_calls
+from ._layer_calls import LayerCall, recorded_calls
 from ._model_guard import preserved_state
 from ._sequence_first import batch_first_encoders
 from ._warnings import quiet_full_backward_hook_warning
@@ -203,11 +203,8 @@ def jacobian_factors(
     x_in = x if enable_backprop else detached(x)
     with preserved_state(model), torch.enable_grad():
         rewritten = rewritten_modules(model, modules)
-        recording = recorded_calls(modules, FORWARDS, rewritten)
-        with recording as calls, batch_first_encoders(model):
-            # the composite attention kernel: batched and double backward work
-            with sdpa_kernel([SDPBackend.MATH]):
-                f = check_model_output(model(x_in), batch)
+        calls, f = _recorded_forward(model, x_in, modules, rewritten)
+        f = check_model_output(f, batch)
         check_batch_first(calls, batch, root)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
         signals = _output_signals(f2, selected_outputs)
@@ -312,8 +309,7 @@ def per_sample_gradients(
     modules = owning_modules(root, params)
     batch = batch_size(x)
     with preserved_state(model), torch.enable_grad():
-        with recorded_calls(modules, FORWARDS) as calls, batch_first_encoders(model):
-            f = model(detached(x))
+        calls, f = _recorded_forward(model, detached(x), modules, ())
         check_batch_first(calls, batch, root)
         loss = loss_of_output(f)
         targets = [c.signal_targets() for c in calls]
@@ -328,6 +324,53 @@ def per_sample_gradients(
             factors = param_jacobian_factors(calls, signals, params)
             Gs = assemble(factors, params, 1, batch, f)[:, 0]
     return Gs.detach(), loss.detach()
+
+
+def _recorded_forward(
+    model: nn.Module,
+    x: torch.Tensor | Mapping,
+    modules: Sequence[nn.Module],
+    rewritten: Sequence[nn.Module],
+) -> tuple[list[LayerCall], Any]:
+    """``model(x)`` with the calls of ``modules`` recorded (step 1).
+
+    A model that writes in place into a recorded tensor after the call (an
+    in-place activation after a convolution, ``out += identity``) is run a second
+    time with the inputs and outputs of those modules copied, so that the recorded
+    tensors are the ones the module saw and returned (``_in_place``).
+
+    Returns
+    -------
+    calls : list of LayerCall
+        In call order.
+    f : object
+        The model's output.
+
+    Raises
+    ------
+    UnsupportedModuleError
+        If a recorded tensor is still written into in place with the copies (the
+        model holds on to a module's output by other means than its return).
+
+    """
+    copied: set[int] = set()
+    for _ in range(2):
+        recording = recorded_calls(modules, FORWARDS, rewritten, copied)
+        with recording as calls, batch_first_encoders(model):
+            # the composite attention kernel: batched and double backward work
+            with sdpa_kernel([SDPBackend.MATH]):
+                f = model(x)
+        written = {id(c.module) for c in calls if c.modified_in_place()}
+        if not written:
+            return calls, f
+        copied |= written
+    names = [n or "<root>" for n, m in model.named_modules() if id(m) in written]
+    raise UnsupportedModuleError(
+        f"The model writes in place into the input or output of {names} after the "
+        "call, even when given copies, so their per-sample Jacobians cannot be "
+        "read off; make that operation out of place or use "
+        "laplace_diffjac.DiffFuncGGN."
+    )
 
 
 def _regroup(

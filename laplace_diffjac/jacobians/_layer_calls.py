@@ -2,17 +2,20 @@
 
 The hooks live only inside :func:`recorded_calls`; their handles are local to the
 call, so nothing process-global (such as BackPACK's ``CTX``) is involved and nothing
-is left on the modules afterwards.
+is left on the modules afterwards. Each call remembers the version counters of its
+tensors, so that a later in-place write into them is seen (``_in_place``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+
+from ._in_place import copied, tensors_in, versions, works_in_place
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class LayerCall:
     outputs : tuple of torch.Tensor
         Every tensor the module returned, depth first (``output`` first); the
         recurrent rules need the final states too.
+    versions : tuple of int
+        Version counters of :meth:`tensors` when the call was recorded.
 
     """
 
@@ -40,10 +45,20 @@ class LayerCall:
     output: torch.Tensor
     kwargs: dict = field(default_factory=dict)
     outputs: tuple[torch.Tensor, ...] = ()
+    versions: tuple[int, ...] = ()
 
     def signal_targets(self) -> tuple[torch.Tensor, ...]:
         """Tensors the output signals are sent to: all outputs, or ``output``."""
         return self.outputs if self.outputs else (self.output,)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the call holds: inputs, keyword inputs, signal targets."""
+        held = (self.inputs, self.kwargs, self.signal_targets())
+        return tuple(tensors_in(held))
+
+    def modified_in_place(self) -> bool:
+        """Whether a tensor of the call was written into in place after it."""
+        return versions(self.tensors()) != self.versions
 
 
 #: ``forward(module, args, kwargs) -> (call, output)``: the module's computation
@@ -57,6 +72,7 @@ def recorded_calls(
     modules: Sequence[nn.Module],
     forwards: Mapping[type[nn.Module], RecordedForward] | None = None,
     rewritten: Sequence[nn.Module] = (),
+    copied_calls: Collection[int] = (),
 ) -> Iterator[list[LayerCall]]:
     """Record every call of ``modules`` made inside the ``with`` block.
 
@@ -70,7 +86,13 @@ def recorded_calls(
     rewritten : sequence of torch.nn.Module, optional
         Further modules (not in ``modules``) whose output is replaced by the one
         redone by ``forwards`` without recording the call: parameterless
-        normalisations, whose fused kernels have wrong higher derivatives.
+        normalisations, whose fused kernels have wrong higher derivatives. One
+        that works in place (``inplace=True``) is redone from a copy of its input
+        taken before the call.
+    copied_calls : collection of int, optional
+        ``id`` of modules in ``modules`` whose inputs are copied before each call
+        and whose output is copied after it, so that in-place writes of the model
+        into them leave the recorded tensors as they were (see ``_in_place``).
 
     Yields
     ------
@@ -80,33 +102,45 @@ def recorded_calls(
     """
     calls: list[LayerCall] = []
     forwards = forwards or {}
+    before: dict[int, list[tuple]] = {}  # inputs of in-place rewritten modules
 
     def hook(module: nn.Module, inputs: tuple, kwargs: dict, output: object) -> object:
         forward = forwards.get(type(module))
         if forward is not None:
             call, replaced = forward(module, tuple(inputs), kwargs)
-            calls.append(call)
-            return replaced
-        tensors = tuple(_tensors(output))
-        calls.append(LayerCall(module, tuple(inputs), tensors[0], kwargs, tensors))
-        return None
+        else:
+            tensors = tuple(tensors_in(output))
+            call = LayerCall(module, tuple(inputs), tensors[0], kwargs, tensors)
+            replaced = None
+        calls.append(replace(call, versions=versions(call.tensors())))
+        if id(module) in copied_calls:
+            return copied(output if replaced is None else replaced)
+        return replaced
+
+    def copy_inputs(_: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        return tuple(copied(a) for a in args), {k: copied(v) for k, v in kwargs.items()}
+
+    def keep_input(module: nn.Module, args: tuple) -> None:
+        before.setdefault(id(module), []).append(tuple(copied(a) for a in args))
 
     def rewrite(module: nn.Module, inputs: tuple, kwargs: dict, _: object) -> object:
+        kept = before.get(id(module))
+        if kept:
+            inputs = kept.pop()
         return forwards[type(module)](module, tuple(inputs), kwargs)[1]
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
+    handles = [
+        m.register_forward_pre_hook(copy_inputs, with_kwargs=True)
+        for m in modules
+        if id(m) in copied_calls
+    ]
+    handles += [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
+    handles += [
+        m.register_forward_pre_hook(keep_input) for m in rewritten if works_in_place(m)
+    ]
     handles += [m.register_forward_hook(rewrite, with_kwargs=True) for m in rewritten]
     try:
         yield calls
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _tensors(output: object) -> Iterator[torch.Tensor]:
-    """The tensors of a (nested tuple) module output, depth first."""
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (tuple, list)):
-        for item in output:
-            yield from _tensors(item)

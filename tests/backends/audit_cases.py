@@ -4,6 +4,8 @@ Every case is ``layer -> tanh -> flatten -> Linear(·, OUTPUTS)``, so that the
 module's parameters have non-trivial second derivatives and the model has
 ``OUTPUTS`` outputs, fewer than ``BATCH`` samples (``B != C``: a batching rule that
 mixes the sample and output dimensions crashes or gives wrong numbers there).
+Beside the ``torch.nn`` modules, the building blocks of downloaded models
+(torchvision's, with in-place activations and residual additions).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
+from torchvision.models.resnet import BasicBlock, Bottleneck
 
 BATCH = 5
 OUTPUTS = 3
@@ -301,5 +304,15 @@ CASES: dict[str, Case] = {
     "weight_norm-Linear": Case(lambda: weight_norm(nn.Linear(4, 6)), 6, (4,)),
     "custom-parameter": Case(
         lambda: nn.Sequential(nn.Linear(4, 6), _Scale(6)), 6, (4,)
+    ),
+    # torchvision's residual blocks: nn.ReLU(inplace=True) after batch norm and
+    # `out += identity` write into the outputs of parameterised modules
+    "BasicBlock-in-place": Case(lambda: BasicBlock(2, 2), 18, (2, 3, 3)),
+    "Bottleneck-in-place-downsample": Case(
+        lambda: Bottleneck(
+            2, 1, downsample=nn.Sequential(nn.Conv2d(2, 4, 1), nn.BatchNorm2d(4))
+        ),
+        36,
+        (2, 3, 3),
     ),
 }
