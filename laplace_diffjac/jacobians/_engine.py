@@ -309,7 +309,9 @@ def per_sample_gradients(
     modules = owning_modules(root, params)
     batch = batch_size(x)
     with preserved_state(model), torch.enable_grad():
-        calls, f = _recorded_forward(model, detached(x), modules, ())
+        # the elementary forms too: the same derivatives as the Jacobians'
+        rewritten = rewritten_modules(model, modules)
+        calls, f = _recorded_forward(model, detached(x), modules, rewritten)
         check_batch_first(calls, batch, root)
         loss = loss_of_output(f)
         targets = [c.signal_targets() for c in calls]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
+from torchvision.models.mobilenetv3 import InvertedResidual, InvertedResidualConfig
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 BATCH = 5
@@ -314,5 +315,15 @@ CASES: dict[str, Case] = {
         ),
         36,
         (2, 3, 3),
+    ),
+    # MobileNetV3's block: Hardswish(inplace=True), a squeeze-excitation gate with
+    # Hardsigmoid (no double backward in PyTorch), `result += input`
+    "InvertedResidual-SE-hardswish": Case(
+        lambda: InvertedResidual(
+            InvertedResidualConfig(8, 3, 16, 8, True, "HS", 1, 1, 1.0),
+            nn.BatchNorm2d,
+        ),
+        32,
+        (8, 2, 2),
     ),
 }
