@@ -43,7 +43,7 @@ from ._inputs import batch_size, check_model_output, detached
 from ._layer_calls import LayerCall, recorded_calls
 from ._model_guard import preserved_state
 from ._sequence_first import batch_first_encoders
-from ._warnings import quiet_full_backward_hook_warning
+from ._warnings import quiet_batching_fallbacks, quiet_full_backward_hook_warning
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,10 @@ def jacobian_factors(
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
         signals = _output_signals(f2, selected_outputs)
         targets = [c.signal_targets() for c in calls]
-        with quiet_full_backward_hook_warning():  # hooks of a user-extended model
+        with (
+            quiet_full_backward_hook_warning(),  # hooks of a user-extended model
+            quiet_batching_fallbacks(),  # vmap's loop for e.g. Bilinear's backward
+        ):
             flat = _batched_grad(
                 f2, [t for ts in targets for t in ts], signals, enable_backprop
             )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ._in_place import copied, tensors_in, versions, works_in_place
 
@@ -109,9 +110,9 @@ def recorded_calls(
         if forward is not None:
             call, replaced = forward(module, tuple(inputs), kwargs)
         else:
-            tensors = tuple(tensors_in(output))
+            replaced = _apart(output)
+            tensors = tuple(tensors_in(output if replaced is None else replaced))
             call = LayerCall(module, tuple(inputs), tensors[0], kwargs, tensors)
-            replaced = None
         calls.append(replace(call, versions=versions(call.tensors())))
         if id(module) in copied_calls:
             return copied(output if replaced is None else replaced)
@@ -144,3 +145,28 @@ def recorded_calls(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _apart(output: object) -> object | None:
+    """A module's output of several tensors, each behind a view of its own.
+
+    The signal at a returned tensor is then the derivative along the model's own
+    uses of that tensor only: in a module that computes one output from another
+    (an ``LSTMCell`` whose ``h`` is computed from its ``c``), the total
+    derivative at ``c`` would count the path through ``h`` twice.
+
+    Returns
+    -------
+    object or None
+        The same structure with every tensor that requires grad replaced by a
+        view of it; ``None`` if fewer than two do (nothing to replace).
+
+    """
+    if sum(t.requires_grad for t in tensors_in(output)) < 2:
+        return None
+    return tree_map(
+        lambda t: (
+            t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+        ),
+        output,
+    )

@@ -59,6 +59,65 @@ class _Scale(nn.Module):
         return x * self.weight
 
 
+class HFConv1D(nn.Module):
+    """Hugging Face's ``Conv1D`` (GPT-2): a Linear layer with weight ``(in, out)``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx**0.5)
+        self.bias = nn.Parameter(torch.linspace(-0.5, 0.5, nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class _Patches(nn.Module):
+    """ViT's patch embedding: a strided convolution, tokens ``(B, N, D)``."""
+
+    def __init__(self, channels: int, width: int, patch: int) -> None:
+        super().__init__()
+        self.projection = nn.Conv2d(channels, width, patch, stride=patch)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.projection(pixels).flatten(2).transpose(1, 2)
+
+
+class ViTLikeEmbeddings(nn.Module):
+    """Hugging Face's ``ViTEmbeddings``: it holds the class token and the position
+    embeddings itself and adds them in its own forward."""
+
+    def __init__(self, channels: int = 2, image: int = 4, patch: int = 2) -> None:
+        super().__init__()
+        width, tokens = 4, (image // patch) ** 2
+        self.cls_token = nn.Parameter(torch.randn(1, 1, width))
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, width))  # unused here
+        self.patch_embeddings = _Patches(channels, width, patch)
+        self.position_embeddings = nn.Parameter(torch.randn(1, tokens + 1, width))
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        embeddings = self.patch_embeddings(pixels)
+        cls_tokens = self.cls_token.expand(pixels.shape[0], -1, -1)
+        embeddings = torch.cat((cls_tokens, embeddings), dim=1)
+        return self.dropout(embeddings + self.position_embeddings)
+
+
+class HandRMSNorm(nn.Module):
+    """The RMSNorm of LLaMA-style code, written out rather than ``nn.RMSNorm``."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
 @dataclass(frozen=True)
 class Case:
     """How to build one audited model and its input batch ``(BATCH, ...)``."""
@@ -305,6 +364,13 @@ CASES: dict[str, Case] = {
     "weight_norm-Linear": Case(lambda: weight_norm(nn.Linear(4, 6)), 6, (4,)),
     "custom-parameter": Case(
         lambda: nn.Sequential(nn.Linear(4, 6), _Scale(6)), 6, (4,)
+    ),
+    # modules without a rule of their own (the local rule): other libraries'
+    # building blocks, mirrored
+    "HF-Conv1D": Case(lambda: HFConv1D(5, 4), 15, (3, 4)),
+    "ViT-like-embeddings": Case(ViTLikeEmbeddings, 20, (2, 4, 4)),
+    "hand-written-RMSNorm": Case(
+        lambda: nn.Sequential(nn.Linear(4, 6), HandRMSNorm(6)), 6, (4,)
     ),
     # torchvision's residual blocks: nn.ReLU(inplace=True) after batch norm and
     # `out += identity` write into the outputs of parameterised modules
