@@ -177,12 +177,29 @@ def check_batch_first(calls: Iterable[LayerCall], batch: int, root: nn.Module) -
             raise UnsupportedModuleError(
                 f"Module '{name}' ({type(call.module).__name__}) returned a tensor "
                 f"whose first dimension is {lead}, not the batch size {batch}, so "
-                "its per-sample Jacobians cannot be told apart. Usual causes: an "
-                "input shared by the whole batch (e.g. position ids of shape "
-                "(1, T): expand them to (B, T)), a sequence-first layout (use "
-                "batch_first=True), or the batch merged with other dimensions. "
+                "its per-sample Jacobians cannot be told apart. Usual causes: a "
+                "sequence-first layout (use batch_first=True), or the batch "
+                "merged with other dimensions (an input shared by the whole "
+                "batch, of first dimension 1, is taken care of). "
                 "laplace_diffjac.DiffFuncGGN handles any layout."
             )
+
+
+def shared_by_batch(call: LayerCall, batch: int) -> bool:
+    """Whether ``call`` returned one output for a batch of several samples.
+
+    A module called on an input shared by the batch (position ids ``(1, T)``),
+    whose output the model broadcasts; attention and the recurrent layers find
+    the batch themselves and are never taken as shared.
+
+    Returns
+    -------
+    bool
+
+    """
+    if batch < 2 or isinstance(call.module, _SEQUENCE_AWARE):
+        return False
+    return call.output.dim() > 0 and call.output.shape[0] == 1
 
 
 def _route(module: nn.Module) -> str:

@@ -28,21 +28,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..errors import InvalidInputError, UnsupportedModuleError
+from ..errors import InvalidInputError
 from ._assembly import Factors, Product, assemble
 from ._derivatives import (
-    FORWARDS,
     check_batch_first,
     owning_modules,
     param_jacobian_factors,
 )
 from ._elementary import rewritten_modules
+from ._forward import recorded_forward
 from ._inputs import batch_size, check_model_output, detached
-from ._layer_calls import LayerCall, recorded_calls
 from ._model_guard import preserved_state
-from ._sequence_first import batch_first_encoders
 from ._warnings import quiet_batching_fallbacks, quiet_full_backward_hook_warning
 
 
@@ -203,7 +200,7 @@ def jacobian_factors(
     x_in = x if enable_backprop else detached(x)
     with preserved_state(model), torch.enable_grad():
         rewritten = rewritten_modules(model, modules)
-        calls, f = _recorded_forward(model, x_in, modules, rewritten)
+        calls, f = recorded_forward(model, x_in, modules, rewritten, batch)
         f = check_model_output(f, batch)
         check_batch_first(calls, batch, root)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
@@ -314,7 +311,7 @@ def per_sample_gradients(
     with preserved_state(model), torch.enable_grad():
         # the elementary forms too: the same derivatives as the Jacobians'
         rewritten = rewritten_modules(model, modules)
-        calls, f = _recorded_forward(model, detached(x), modules, rewritten)
+        calls, f = recorded_forward(model, detached(x), modules, rewritten, batch)
         check_batch_first(calls, batch, root)
         loss = loss_of_output(f)
         targets = [c.signal_targets() for c in calls]
@@ -329,53 +326,6 @@ def per_sample_gradients(
             factors = param_jacobian_factors(calls, signals, params)
             Gs = assemble(factors, params, 1, batch, f)[:, 0]
     return Gs.detach(), loss.detach()
-
-
-def _recorded_forward(
-    model: nn.Module,
-    x: torch.Tensor | Mapping,
-    modules: Sequence[nn.Module],
-    rewritten: Sequence[nn.Module],
-) -> tuple[list[LayerCall], Any]:
-    """``model(x)`` with the calls of ``modules`` recorded (step 1).
-
-    A model that writes in place into a recorded tensor after the call (an
-    in-place activation after a convolution, ``out += identity``) is run a second
-    time with the inputs and outputs of those modules copied, so that the recorded
-    tensors are the ones the module saw and returned (``_in_place``).
-
-    Returns
-    -------
-    calls : list of LayerCall
-        In call order.
-    f : object
-        The model's output.
-
-    Raises
-    ------
-    UnsupportedModuleError
-        If a recorded tensor is still written into in place with the copies (the
-        model holds on to a module's output by other means than its return).
-
-    """
-    copied: set[int] = set()
-    for _ in range(2):
-        recording = recorded_calls(modules, FORWARDS, rewritten, copied)
-        with recording as calls, batch_first_encoders(model):
-            # the composite attention kernel: batched and double backward work
-            with sdpa_kernel([SDPBackend.MATH]):
-                f = model(x)
-        written = {id(c.module) for c in calls if c.modified_in_place()}
-        if not written:
-            return calls, f
-        copied |= written
-    names = [n or "<root>" for n, m in model.named_modules() if id(m) in written]
-    raise UnsupportedModuleError(
-        f"The model writes in place into the input or output of {names} after the "
-        "call, even when given copies, so their per-sample Jacobians cannot be "
-        "read off; make that operation out of place or use "
-        "laplace_diffjac.DiffFuncGGN."
-    )
 
 
 def _regroup(

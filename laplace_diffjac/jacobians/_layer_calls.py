@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,6 +75,8 @@ def recorded_calls(
     forwards: Mapping[type[nn.Module], RecordedForward] | None = None,
     rewritten: Sequence[nn.Module] = (),
     copied_calls: Collection[int] = (),
+    expanded_calls: Collection[int] = (),
+    batch: int = 1,
 ) -> Iterator[list[LayerCall]]:
     """Record every call of ``modules`` made inside the ``with`` block.
 
@@ -94,6 +97,12 @@ def recorded_calls(
         ``id`` of modules in ``modules`` whose inputs are copied before each call
         and whose output is copied after it, so that in-place writes of the model
         into them leave the recorded tensors as they were (see ``_in_place``).
+    expanded_calls : collection of int, optional
+        ``id`` of modules in ``modules`` whose inputs and outputs that lead with
+        1 are expanded to ``batch`` (a module called on an input shared by the
+        batch; see ``_forward``).
+    batch : int, optional
+        The batch size, for ``expanded_calls``.
 
     Yields
     ------
@@ -101,50 +110,99 @@ def recorded_calls(
         Filled in call order while the block runs.
 
     """
-    calls: list[LayerCall] = []
-    forwards = forwards or {}
-    before: dict[int, list[tuple]] = {}  # inputs of in-place rewritten modules
-
-    def hook(module: nn.Module, inputs: tuple, kwargs: dict, output: object) -> object:
-        forward = forwards.get(type(module))
-        if forward is not None:
-            call, replaced = forward(module, tuple(inputs), kwargs)
-        else:
-            replaced = _apart(output)
-            tensors = tuple(tensors_in(output if replaced is None else replaced))
-            call = LayerCall(module, tuple(inputs), tensors[0], kwargs, tensors)
-        calls.append(replace(call, versions=versions(call.tensors())))
-        if id(module) in copied_calls:
-            return copied(output if replaced is None else replaced)
-        return replaced
-
-    def copy_inputs(_: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        return tuple(copied(a) for a in args), {k: copied(v) for k, v in kwargs.items()}
-
-    def keep_input(module: nn.Module, args: tuple) -> None:
-        before.setdefault(id(module), []).append(tuple(copied(a) for a in args))
-
-    def rewrite(module: nn.Module, inputs: tuple, kwargs: dict, _: object) -> object:
-        kept = before.get(id(module))
-        if kept:
-            inputs = kept.pop()
-        return forwards[type(module)](module, tuple(inputs), kwargs)[1]
-
-    handles = [
-        m.register_forward_pre_hook(copy_inputs, with_kwargs=True)
-        for m in modules
-        if id(m) in copied_calls
-    ]
-    handles += [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
-    handles += [
-        m.register_forward_pre_hook(keep_input) for m in rewritten if works_in_place(m)
-    ]
-    handles += [m.register_forward_hook(rewrite, with_kwargs=True) for m in rewritten]
+    recorder = _Recorder(
+        dict(forwards or {}), set(copied_calls), set(expanded_calls), batch
+    )
+    handles = recorder.install(modules, rewritten)
     try:
-        yield calls
+        yield recorder.calls
     finally:
         for handle in handles:
             handle.remove()
+
+
+class _Recorder:
+    """The hooks of one :func:`recorded_calls` block and what they keep."""
+
+    def __init__(
+        self,
+        forwards: dict[type[nn.Module], RecordedForward],
+        copied_calls: set[int],
+        expanded_calls: set[int],
+        batch: int,
+    ) -> None:
+        self.calls: list[LayerCall] = []
+        self.forwards = forwards
+        self.copied_calls = copied_calls
+        self.expanded_calls = expanded_calls
+        self.batch = batch
+        self.before: dict[int, list[tuple]] = {}  # inputs of in-place rewrites
+
+    def install(
+        self, modules: Sequence[nn.Module], rewritten: Sequence[nn.Module]
+    ) -> list[Any]:
+        """Register the hooks; return their handles."""
+        adjusted = self.copied_calls | self.expanded_calls
+        handles = [
+            m.register_forward_pre_hook(self.adjust_inputs, with_kwargs=True)
+            for m in modules
+            if id(m) in adjusted
+        ]
+        handles += [
+            m.register_forward_hook(self.record, with_kwargs=True) for m in modules
+        ]
+        handles += [
+            m.register_forward_pre_hook(self.keep_input)
+            for m in rewritten
+            if works_in_place(m)
+        ]
+        handles += [
+            m.register_forward_hook(self.rewrite, with_kwargs=True) for m in rewritten
+        ]
+        return handles
+
+    def record(
+        self, module: nn.Module, inputs: tuple, kwargs: dict, output: object
+    ) -> object:
+        """Forward hook of a watched module: record the call, maybe replace."""
+        forward = self.forwards.get(type(module))
+        if forward is not None:
+            call, replaced = forward(module, tuple(inputs), kwargs)
+        else:
+            if id(module) in self.expanded_calls:
+                output = _expanded(output, self.batch)
+            replaced = _apart(output)
+            if replaced is None and id(module) in self.expanded_calls:
+                replaced = output
+            tensors = tuple(tensors_in(output if replaced is None else replaced))
+            call = LayerCall(module, tuple(inputs), tensors[0], kwargs, tensors)
+        self.calls.append(replace(call, versions=versions(call.tensors())))
+        if id(module) in self.copied_calls:
+            return copied(output if replaced is None else replaced)
+        return replaced
+
+    def adjust_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        """Forward pre-hook: copies and/or expansions of the inputs."""
+        if id(module) in self.expanded_calls:
+            args, kwargs = _expanded((tuple(args), kwargs), self.batch)
+        if id(module) in self.copied_calls:
+            args = tuple(copied(a) for a in args)
+            kwargs = {k: copied(v) for k, v in kwargs.items()}
+        return tuple(args), kwargs
+
+    def keep_input(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of an in-place rewritten module: keep its input."""
+        kept = tuple(copied(a) for a in args)
+        self.before.setdefault(id(module), []).append(kept)
+
+    def rewrite(
+        self, module: nn.Module, inputs: tuple, kwargs: dict, _: object
+    ) -> object:
+        """Forward hook of a rewritten module: its output in elementary form."""
+        kept = self.before.get(id(module))
+        if kept:
+            inputs = kept.pop()
+        return self.forwards[type(module)](module, tuple(inputs), kwargs)[1]
 
 
 def _apart(output: object) -> object | None:
@@ -169,4 +227,16 @@ def _apart(output: object) -> object | None:
             t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
         ),
         output,
+    )
+
+
+def _expanded(obj: Any, batch: int) -> Any:
+    """``obj`` with every tensor of first dimension 1 expanded to ``batch`` (views)."""
+    return tree_map(
+        lambda t: (
+            t.expand(batch, *t.shape[1:])
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 1
+            else t
+        ),
+        obj,
     )

@@ -118,6 +118,33 @@ class HandRMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(variance + self.eps))
 
 
+class BertLikeEmbeddings(nn.Module):
+    """Hugging Face's ``BertEmbeddings``: position ids ``(1, T)`` shared by the batch,
+    their embeddings broadcast onto the tokens' (added in place), then LayerNorm."""
+
+    def __init__(self, vocab: int = 7, positions: int = 4, width: int = 4) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, width, padding_idx=0)
+        self.position_embeddings = nn.Embedding(positions, width)
+        self.token_type_embeddings = nn.Embedding(2, width)
+        self.LayerNorm = nn.LayerNorm(width)
+        self.register_buffer(
+            "position_ids", torch.arange(positions).expand((1, -1)), persistent=False
+        )
+        self.register_buffer(
+            "token_type_ids", torch.zeros(1, positions, dtype=torch.long)
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        batch, length = input_ids.shape
+        position_ids = self.position_ids[:, :length]
+        token_type_ids = self.token_type_ids[:, :length].expand(batch, length)
+        embeddings = self.word_embeddings(input_ids)
+        embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        embeddings += self.position_embeddings(position_ids)
+        return self.LayerNorm(embeddings)
+
+
 @dataclass(frozen=True)
 class Case:
     """How to build one audited model and its input batch ``(BATCH, ...)``."""
@@ -369,6 +396,7 @@ CASES: dict[str, Case] = {
     # building blocks, mirrored
     "HF-Conv1D": Case(lambda: HFConv1D(5, 4), 15, (3, 4)),
     "ViT-like-embeddings": Case(ViTLikeEmbeddings, 20, (2, 4, 4)),
+    "BERT-like-embeddings": Case(BertLikeEmbeddings, 12, (3,), tokens=7),
     "hand-written-RMSNorm": Case(
         lambda: nn.Sequential(nn.Linear(4, 6), HandRMSNorm(6)), 6, (4,)
     ),
@@ -393,3 +421,31 @@ CASES: dict[str, Case] = {
         (8, 2, 2),
     ),
 }
+
+
+#: Cases both engines must get right, not refuse: the modules the BackPACK
+#: backends once sent elsewhere (the local rule takes them now) and the building
+#: blocks of downloaded models.
+MUST_BE_RIGHT = frozenset(
+    {
+        "Bilinear",
+        "Conv2d-groups-reflect",
+        "Conv3d-circular",
+        "SyncBatchNorm",
+        "RMSNorm",
+        "EmbeddingBag",
+        "EmbeddingBag-max-padding_idx",
+        "EmbeddingBag-sum-padding_idx",
+        "RNNCell",
+        "LSTMCell",
+        "GRUCell",
+        "custom-parameter",
+        "HF-Conv1D",
+        "ViT-like-embeddings",
+        "BERT-like-embeddings",
+        "hand-written-RMSNorm",
+        "BasicBlock-in-place",
+        "Bottleneck-in-place-downsample",
+        "InvertedResidual-SE-hardswish",
+    }
+)
