@@ -16,6 +16,9 @@ those modules' calls adjusted (:func:`.recorded_calls`):
   sample and its signals are the per-sample ones; the per-sample Jacobians of a
   shared input are those of every sample's own copy. The model's output must
   come out the same, or the module is refused.
+
+Every run starts from the random generators' state before the first, so that
+dropout in training mode draws the same masks in each.
 """
 
 from __future__ import annotations
@@ -68,14 +71,16 @@ def recorded_forward(
     UnsupportedModuleError
         If a recorded tensor is still written into in place with the copies (the
         model holds on to a module's output by other means than its return), or
-        the model's output changes when a shared module's output is expanded to
-        the batch.
+        the model's output changes with the copies or when a shared module's
+        output is expanded to the batch.
 
     """
     copied: set[int] = set()
     expanded: set[int] = set()
     first: Any = None
-    for _ in range(3):  # at most one further run for each adjustment
+    random_state = _RandomState()  # a rerun draws what the first run drew
+    while True:  # each further run copies or expands more modules: it ends
+        random_state.restore()
         recording = recorded_calls(
             modules, FORWARDS, rewritten, copied, expanded, batch
         )
@@ -84,28 +89,57 @@ def recorded_forward(
             with sdpa_kernel([SDPBackend.MATH]):
                 f = model(x)
         first = f if first is None else first
-        written = {id(c.module) for c in calls if c.modified_in_place()} - copied
-        shared = {id(c.module) for c in calls if shared_by_batch(c, batch)} - expanded
-        if not written and not shared:
+        written = {id(c.module) for c in calls if c.modified_in_place()}
+        if written & copied:
+            raise UnsupportedModuleError(
+                f"The model writes in place into the input or output of "
+                f"{_names(model, written & copied)} after the call, even when "
+                "given copies (it holds on to them by other means than the "
+                "module's return), so their per-sample Jacobians cannot be read "
+                "off; make that operation out of place or use "
+                "laplace_diffjac.DiffFuncGGN."
+            )
+        shared = {id(c.module) for c in calls if shared_by_batch(c, batch)}
+        if not written and not shared - expanded:
             break
         copied |= written
         expanded |= shared
-    else:
+    if (copied or expanded) and not _same_output(f, first):
+        if expanded:
+            raise UnsupportedModuleError(
+                f"The output of {_names(model, expanded)} is shared by the batch "
+                "(its first dimension is 1), and expanded to one copy per sample "
+                "it changes the model's output, so the model uses it other than by "
+                "broadcasting it over the batch. Expand its input to the batch "
+                "yourself, or use laplace_diffjac.DiffFuncGGN."
+            )
         raise UnsupportedModuleError(
             f"The model writes in place into the input or output of "
-            f"{_names(model, written)} after the call, even when given copies, "
-            "so their per-sample Jacobians cannot be read off; make that "
-            "operation out of place or use laplace_diffjac.DiffFuncGGN."
-        )
-    if expanded and not _same_output(f, first):
-        raise UnsupportedModuleError(
-            f"The output of {_names(model, expanded)} is shared by the batch (its "
-            "first dimension is 1), and expanded to one copy per sample it changes "
-            "the model's output, so the model uses it other than by broadcasting "
-            "it over the batch. Expand its input to the batch yourself, or use "
+            f"{_names(model, copied)} after the call, and with copies of them its "
+            "output changes (it reads them by other means than the module's "
+            "return); make that operation out of place or use "
             "laplace_diffjac.DiffFuncGGN."
         )
     return calls, f
+
+
+class _RandomState:
+    """The generators' state before the first run, to start every run from it.
+
+    So that a model in training mode with dropout draws the same masks in a
+    rerun, and the runs can be compared.
+    """
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = (
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        )
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
 
 
 def _names(model: nn.Module, ids: set[int]) -> list[str]:

@@ -152,3 +152,37 @@ def test_functional_flatten_is_a_named_refusal_of_backpack_diag():
         DiffBackPackGGN(model, "classification").diag(x, y)
     assert "DiffFuncGGN" in str(err.value)
     DiffFuncGGN(model, "classification").diag(x, y)
+
+
+class _Keeper(nn.Module):
+    """Keeps its output; the parent writes into it through that reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * self.weight
+        self.kept[:] = [out]
+        return out
+
+
+class _WritesThroughKeeper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.keeper = _Keeper()
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.keeper(x)
+        self.keeper.kept[0].mul_(2)
+        return self.head(h)
+
+
+def test_in_place_write_that_copies_cannot_catch_is_refused_by_name():
+    torch.manual_seed(0)
+    model = _WritesThroughKeeper().double()
+    x, _ = _data((3,))
+    with pytest.raises(UnsupportedModuleError, match=r"writes in place.*'keeper'"):
+        DiffBackPackGGN(model, "regression").jacobians(x)

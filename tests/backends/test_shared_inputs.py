@@ -85,3 +85,18 @@ def test_shared_output_used_other_than_broadcast_is_refused_by_name():
     with pytest.raises(UnsupportedModuleError, match="encode.*shared by the batch"):
         parameter_jacobians(model, x, list(model.parameters()))
     assert_same_state(before, model_state(model))
+
+
+def test_a_rerun_draws_the_dropout_masks_of_the_first_run():
+    """In training mode with dropout, the expanded rerun must see the same masks,
+    or its output would differ from the first run's and the model be refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_LearnedPositions(), nn.Dropout(0.5)).double().train()
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    torch.manual_seed(4)
+    _, f = parameter_jacobians(model, x, list(model.parameters()))
+    after = torch.rand(3)
+    torch.manual_seed(4)
+    f_ref = model(x)  # one forward's masks, and the generator left as by one
+    torch.testing.assert_close(f, f_ref, rtol=1e-12, atol=1e-14)
+    assert torch.equal(after, torch.rand(3))
