@@ -13,7 +13,6 @@ autograd loop).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -23,10 +22,18 @@ from torch import nn
 
 from ..errors import UnsupportedModuleError
 from ..jacobians._functorch_refusals import functorch_refusals
-from ..jacobians._rules_recurrent import refuse_packed_sequence
+from ..jacobians._rules_recurrent import SAMPLE_BY_SAMPLE, refuse_packed_sequence
+from ..jacobians._warnings import quiet_batching_fallbacks
 
-#: Module types that ``vmap`` over samples cannot run.
-SAMPLE_BY_SAMPLE = (nn.RNNBase, nn.RNNCellBase)
+__all__ = [
+    "SAMPLE_BY_SAMPLE",
+    "check_functorch_support",
+    "quiet_batching_fallbacks",
+    "refused_packed_sequences",
+    "runs_sample_by_sample",
+    "sample_loop",
+    "without_onednn",
+]
 
 
 def check_functorch_support(model: nn.Module) -> None:
@@ -82,25 +89,6 @@ def refused_packed_sequences(model: nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-@contextmanager
-def quiet_batching_fallbacks() -> Iterator[None]:
-    """Silence PyTorch's "performance drop" notice of ``vmap``'s loop, for the call.
-
-    Yields
-    ------
-    None
-
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore",
-            message="There is a performance drop because we have not yet "
-            "implemented the batching rule",
-            category=UserWarning,
-        )
-        yield
 
 
 @contextmanager

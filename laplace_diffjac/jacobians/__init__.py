@@ -2,13 +2,16 @@
 
 Everything here works on a plain ``torch.nn.Module`` and never imports
 laplace-torch. One forward pass records the input and output of each module that
-owns a parameter (``_layer_calls``); one batched ``torch.autograd.grad`` sends all
-output signals back to those outputs (``_engine``); per-module rules
-(``_derivatives``) turn them into factors that are written into one ``(B, C, P)``
-tensor by a custom autograd function (``_assembly``). ``_backpack_run`` runs
-BackPACK's second-order extensions with hooks local to the call, ``_model_guard``
-undoes every attribute, hook and ``.grad`` a call leaves behind, ``_last_layer``
-gives closed-form last-layer Jacobians and ``_inputs`` checks what comes in.
+owns a parameter (``_layer_calls``; ``_forward`` runs it again where the model
+writes into them in place, ``_in_place``, or broadcasts a module's output over the
+batch); one batched ``torch.autograd.grad`` sends all output signals back to those
+outputs (``_engine``); per-module rules (``_derivatives``, and ``_rules_local`` for
+modules without one of their own) turn them into factors that are written into
+one ``(B, C, P)`` tensor by a custom autograd function (``_assembly``).
+``_backpack_run`` runs BackPACK's second-order extensions with hooks local to the
+call, ``_model_guard`` undoes every attribute, hook and ``.grad`` a call leaves
+behind, ``_last_layer`` gives closed-form last-layer Jacobians and ``_inputs``
+checks what comes in.
 """
 
 from ._backpack_run import run_extension

@@ -23,6 +23,7 @@ from torch import nn
 from ..errors import UnsupportedModuleError
 from ._derivatives import owning_modules
 from ._functorch_refusals import functorch_refusals, kfac_refusals
+from ._in_place import is_hooked_view_write, out_of_place_modules
 from ._model_guard import preserved_state
 from ._warnings import quiet_full_backward_hook_warning
 
@@ -68,8 +69,11 @@ def run_extension(
     Raises
     ------
     UnsupportedModuleError
-        If a module on the path has no BackPACK rule for ``extension`` or the
-        extension produced no result for some parameter.
+        If a module on the path has no BackPACK rule for ``extension``, the
+        forward writes in place into a module's output (modules with
+        ``inplace=True`` run out of place here), BackPACK cannot follow the model
+        (a branch, an operation outside a module), or the extension produced no
+        result for some parameter.
 
     """
     savefield = extension.savefield
@@ -77,32 +81,20 @@ def run_extension(
         with (
             _private_backpack_hooks([root, lossfunc]),
             quiet_full_backward_hook_warning(),
+            out_of_place_modules(model),  # BackPACK's hooked outputs are views
         ):
             x_in = x.detach()
             if x_in.is_floating_point():
                 x_in.requires_grad_(True)
-            f = model(x_in)
+            with _forward_refusals(extension, model, root, params):
+                f = model(x_in)
             if flatten_classification:
                 f, y = f.view(-1, f.size(-1)), y.view(-1)
             loss = lossfunc(f, y)
             inputs = [t for t in (x_in, *params) if t.requires_grad]
-            try:
+            with _backward_refusals(extension, model, root, params):
                 with backpack(extension):
                     torch.autograd.grad(loss, inputs, allow_unused=True)
-            except AssertionError as err:
-                # BackPACK's second-order extensions backpropagate one quantity
-                # through a chain of modules; a branch (a residual or LoRA sum)
-                # leaves a module without one.
-                raise UnsupportedModuleError(
-                    f"BackPACK's {type(extension).__name__} needs a sequential model; "
-                    f"this one branches ({err}). "
-                    f"{curvature_routes(model, root, params)}"
-                ) from err
-            except NotImplementedError as err:
-                raise UnsupportedModuleError(
-                    f"BackPACK's {type(extension).__name__} does not support a module "
-                    f"of this model ({err}). {curvature_routes(model, root, params)}"
-                ) from err
         missing = [i for i, p in enumerate(params) if not hasattr(p, savefield)]
         if missing:
             raise UnsupportedModuleError(
@@ -150,6 +142,94 @@ def curvature_routes(
 
 
 @contextmanager
+def _forward_refusals(
+    extension: BackpropExtension,
+    model: nn.Module,
+    root: nn.Module,
+    params: Sequence[torch.Tensor],
+) -> Iterator[None]:
+    """The forward pass's failure under BackPACK's hooks, as a refusal.
+
+    Yields
+    ------
+    None
+
+    Raises
+    ------
+    UnsupportedModuleError
+        If the forward writes in place into a hooked module's output.
+    RuntimeError
+        Any other failure of the forward pass, unchanged.
+
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if not is_hooked_view_write(err):
+            raise
+        raise UnsupportedModuleError(
+            f"BackPACK's {type(extension).__name__} cannot run this model: its "
+            "forward writes in place into a module's output (for instance "
+            "`out += identity` at the end of a residual block), which BackPACK's "
+            f"backward hooks forbid. {curvature_routes(model, root, params)}"
+        ) from err
+
+
+@contextmanager
+def _backward_refusals(
+    extension: BackpropExtension,
+    model: nn.Module,
+    root: nn.Module,
+    params: Sequence[torch.Tensor],
+) -> Iterator[None]:
+    """BackPACK's failures while it backpropagates, as refusals naming a route.
+
+    Yields
+    ------
+    None
+
+    Raises
+    ------
+    UnsupportedModuleError
+        If a module has no rule for ``extension``, or BackPACK cannot follow the
+        model from module to module (a branch, an operation outside a module).
+    RuntimeError
+        A failure outside BackPACK's code (out of memory, the model's own),
+        unchanged.
+
+    """
+    name = type(extension).__name__
+    try:
+        yield
+    except AssertionError as err:
+        # BackPACK's second-order extensions backpropagate one quantity through a
+        # chain of modules; a branch (a residual or LoRA sum) or an operation
+        # outside a module leaves a module without one.
+        raise UnsupportedModuleError(
+            f"BackPACK's {name} needs a sequential model; this one branches or "
+            "applies an operation outside a module (such as torch.tanh; nn.Tanh "
+            f"is a module) ({err}). {curvature_routes(model, root, params)}"
+        ) from err
+    except NotImplementedError as err:
+        raise UnsupportedModuleError(
+            f"BackPACK's {name} does not support a module of this model ({err}). "
+            f"{curvature_routes(model, root, params)}"
+        ) from err
+    except RuntimeError as err:
+        if isinstance(err, torch.OutOfMemoryError) or not _raised_by_backpack(err):
+            raise
+        # its shape checks: an operation between modules that BackPACK does not
+        # see (torch.flatten in a forward) changed the shape
+        raise UnsupportedModuleError(
+            f"BackPACK's {name} cannot follow this model "
+            f"({' '.join(map(str, err.args))}): it goes from module to module, and "
+            "an operation between modules in a forward (such as torch.flatten; "
+            "nn.Flatten is a module) is not seen. "
+            f"{curvature_routes(model, root, params)}"
+        ) from err
+
+
+@contextmanager
 def _private_backpack_hooks(roots: Sequence[nn.Module]) -> Iterator[None]:
     """Install BackPACK's IO and extension hooks with handles local to this call."""
     handles = []
@@ -168,6 +248,16 @@ def _private_backpack_hooks(roots: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _raised_by_backpack(err: BaseException) -> bool:
+    """Whether the innermost frame of ``err``'s traceback is BackPACK's code."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")).startswith("backpack.")
 
 
 def _is_container(module: nn.Module) -> bool:

@@ -6,10 +6,12 @@ respect to its parameters as factors for :func:`.jacobian_blocks.assemble`.
 ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding) use a
 closed form (signals times inputs), which is never materialised before it is
 written into the final Jacobian; so do the types in :data:`RULES` (Embedding as a
-scatter, norms, attention, recurrent layers). Every other module type that
-BackPACK's ``BatchGrad`` supports goes through BackPACK's derivatives object
-(``param_mjp``), with BackPACK's bookkeeping attributes (``input0``, ``output``) on
-the module only for the duration of one call.
+scatter, norms, attention, recurrent layers). The module types that BackPACK's
+``BatchGrad`` supports go through BackPACK's derivatives object (``param_mjp``),
+with BackPACK's bookkeeping attributes (``input0``, ``output``) on the module
+only for the duration of one call. Every other module holding parameters (of
+your own, or from another library) gets the local rule (``_rules_local``): the
+module alone, differentiated sample by sample with ``torch.func``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivative
 from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
 from backpack.core.derivatives.linear import LinearDerivatives
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..errors import UnsupportedModuleError
 from . import _rules_attention, _rules_embedding, _rules_recurrent
@@ -41,6 +44,7 @@ from ._rules_conv import (
     conv_factors,
     has_closed_form_conv,
 )
+from ._rules_local import local_factors
 from ._rules_norm import INSTANCE_NORMS, group_norm_factors, layer_norm_factors
 from ._rules_prelu import prelu_factors
 
@@ -133,12 +137,12 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
             continue
         owners.append(module)
     if unsupported:
-        supported = ", ".join(sorted(t.__name__ for t in (*DERIVATIVES, *RULES)))
         raise UnsupportedModuleError(
             "The BackPACK backends have no per-sample Jacobian rule for the "
-            f"parameterised module(s) {'; '.join(unsupported)}. Supported: "
-            f"{supported}. Parameter-free modules (activations, pooling, reshapes, "
-            "custom functions) are always fine."
+            f"parameterised module(s) {'; '.join(unsupported)}. Other modules, "
+            "with parameters or without (your own, other libraries'), are fine: "
+            "those without a rule of their own are differentiated on their own, "
+            "sample by sample."
         )
     if len(found) != len(wanted):
         raise UnsupportedModuleError(
@@ -173,12 +177,29 @@ def check_batch_first(calls: Iterable[LayerCall], batch: int, root: nn.Module) -
             raise UnsupportedModuleError(
                 f"Module '{name}' ({type(call.module).__name__}) returned a tensor "
                 f"whose first dimension is {lead}, not the batch size {batch}, so "
-                "its per-sample Jacobians cannot be told apart. Usual causes: an "
-                "input shared by the whole batch (e.g. position ids of shape "
-                "(1, T): expand them to (B, T)), a sequence-first layout (use "
-                "batch_first=True), or the batch merged with other dimensions. "
+                "its per-sample Jacobians cannot be told apart. Usual causes: a "
+                "sequence-first layout (use batch_first=True), or the batch "
+                "merged with other dimensions (an input shared by the whole "
+                "batch, of first dimension 1, is taken care of). "
                 "laplace_diffjac.DiffFuncGGN handles any layout."
             )
+
+
+def shared_by_batch(call: LayerCall, batch: int) -> bool:
+    """Whether ``call`` returned one output for a batch of several samples.
+
+    A module called on an input shared by the batch (position ids ``(1, T)``),
+    whose output the model broadcasts; attention and the recurrent layers find
+    the batch themselves and are never taken as shared.
+
+    Returns
+    -------
+    bool
+
+    """
+    if batch < 2 or isinstance(call.module, _SEQUENCE_AWARE):
+        return False
+    return call.output.dim() > 0 and call.output.shape[0] == 1
 
 
 def _route(module: nn.Module) -> str:
@@ -191,11 +212,33 @@ def _route(module: nn.Module) -> str:
     return f"no backend takes it as it is; {elsewhere.split(': ', 1)[-1]}"
 
 
+def uses_local_rule(module: nn.Module) -> bool:
+    """Whether ``module`` has no rule of its own (see ``_rules_local``).
+
+    Returns
+    -------
+    bool
+        For types without a closed form, a rule or BackPACK derivatives, and for
+        convolutions whose padding mode BackPACK's derivatives do not take.
+
+    """
+    kind = type(module)
+    if kind in PADDED_CONVS and not has_closed_form_conv(module):
+        return module.padding_mode != "zeros"
+    return kind not in DERIVATIVES and kind not in RULES
+
+
 def _refusal(module: nn.Module, name: str) -> str | None:
     """Why ``module`` has no rule (``None`` if it has one); raise for BatchNorm."""
     kind = type(module)
-    if kind not in DERIVATIVES and kind not in RULES:
-        return kind.__name__
+    if isinstance(module, parametrize.ParametrizationList):
+        # its call computes a weight shared by all samples, not a batch
+        return (
+            f"{kind.__name__} (a weight computed by torch.nn.utils.parametrize, "
+            "such as weight_norm)"
+        )
+    if uses_local_rule(module):
+        return None
     if isinstance(module, _BATCHNORM) and module.training:
         raise UnsupportedModuleError(
             f"{kind.__name__} layer '{name}' is in training mode, where per-sample "
@@ -208,11 +251,6 @@ def _refusal(module: nn.Module, name: str) -> str | None:
                 f"{kind.__name__} layer '{name}' is in training mode with "
                 "track_running_stats=True, so every call updates its running "
                 "statistics. Call model.eval() first."
-            )
-    if kind in PADDED_CONVS and not has_closed_form_conv(module):
-        if module.padding_mode != "zeros":
-            return f"{kind.__name__} with padding_mode='{module.padding_mode}'" + (
-                " and groups > 1" if module.groups != 1 else ""
             )
     if isinstance(module, nn.Embedding):
         return _rules_embedding.unsupported_reason(module)
@@ -265,6 +303,8 @@ def param_jacobian_factors(
         grad = grads[0]
         if rule is not None:
             blocks = rule(call, grads, wanted)
+        elif uses_local_rule(call.module):
+            blocks = local_factors(call, grads, wanted)
         elif grad is None:
             continue
         elif type(call.module) is nn.Linear:

@@ -2,7 +2,8 @@
 
 While either backend differentiates, the normalisations (``_rules_norm``: wrong
 higher derivatives of the fused kernels), ``nn.PReLU`` (``_rules_prelu``: a wrong
-batching rule under nested ``vmap``), ``nn.EmbeddingBag`` (no double backward) and
+batching rule under nested ``vmap``), ``nn.EmbeddingBag`` and ``nn.Hardsigmoid``
+(no double backward; the latter is MobileNetV3's squeeze-excitation gate) and
 ``weight_norm`` (wrong gradients through ``vmap(jacrev)``) have their output
 replaced by the same computation in elementary operations, through forward hooks
 that live only for the call. Modules that own wanted parameters are recorded
@@ -114,11 +115,42 @@ def recorded_weight_norm(
     return LayerCall(module, tuple(args), out, kwargs, (out,)), out
 
 
+def recorded_hardsigmoid(
+    module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[LayerCall, torch.Tensor]:
+    """``nn.Hardsigmoid``: ``x/6 + 1/2`` on ``(-3, 3)``, 0 below, 1 above.
+
+    ``hardsigmoid_backward`` has no derivative in PyTorch, so the Jacobians of a
+    model with the fused kernel cannot be differentiated. At ``x = ±3`` the
+    derivative is 0, as PyTorch's kernel has it.
+
+    Parameters
+    ----------
+    module : torch.nn.Hardsigmoid
+        The module.
+    args, kwargs
+        The arguments of its call (the input, any shape).
+
+    Returns
+    -------
+    call : LayerCall
+        The call.
+    output : torch.Tensor
+        Equal to the module's output.
+
+    """
+    (x,) = args
+    inside = torch.where(x >= 3, 1.0, x / 6 + 0.5)
+    out = torch.where(x <= -3, 0.0, inside)
+    return LayerCall(module, tuple(args), out, kwargs, (out,)), out
+
+
 #: Module type -> its computation in elementary operations.
 ELEMENTARY_FORWARDS: dict[type[nn.Module], RecordedForward] = {
     **NORM_FORWARDS,
     nn.PReLU: recorded_prelu,
     nn.EmbeddingBag: recorded_embedding_bag,
+    nn.Hardsigmoid: recorded_hardsigmoid,
     _WeightNorm: recorded_weight_norm,
 }
 

@@ -28,22 +28,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidInputError
 from ._assembly import Factors, Product, assemble
 from ._derivatives import (
-    FORWARDS,
     check_batch_first,
     owning_modules,
     param_jacobian_factors,
 )
 from ._elementary import rewritten_modules
+from ._forward import recorded_forward
 from ._inputs import batch_size, check_model_output, detached
-from ._layer_calls import recorded_calls
 from ._model_guard import preserved_state
-from ._sequence_first import batch_first_encoders
-from ._warnings import quiet_full_backward_hook_warning
+from ._warnings import quiet_batching_fallbacks, quiet_full_backward_hook_warning
 
 
 @dataclass(frozen=True)
@@ -203,16 +200,16 @@ def jacobian_factors(
     x_in = x if enable_backprop else detached(x)
     with preserved_state(model), torch.enable_grad():
         rewritten = rewritten_modules(model, modules)
-        recording = recorded_calls(modules, FORWARDS, rewritten)
-        with recording as calls, batch_first_encoders(model):
-            # the composite attention kernel: batched and double backward work
-            with sdpa_kernel([SDPBackend.MATH]):
-                f = check_model_output(model(x_in), batch)
+        calls, f = recorded_forward(model, x_in, modules, rewritten, batch)
+        f = check_model_output(f, batch)
         check_batch_first(calls, batch, root)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
         signals = _output_signals(f2, selected_outputs)
         targets = [c.signal_targets() for c in calls]
-        with quiet_full_backward_hook_warning():  # hooks of a user-extended model
+        with (
+            quiet_full_backward_hook_warning(),  # hooks of a user-extended model
+            quiet_batching_fallbacks(),  # vmap's loop for e.g. Bilinear's backward
+        ):
             flat = _batched_grad(
                 f2, [t for ts in targets for t in ts], signals, enable_backprop
             )
@@ -312,8 +309,9 @@ def per_sample_gradients(
     modules = owning_modules(root, params)
     batch = batch_size(x)
     with preserved_state(model), torch.enable_grad():
-        with recorded_calls(modules, FORWARDS) as calls, batch_first_encoders(model):
-            f = model(detached(x))
+        # the elementary forms too: the same derivatives as the Jacobians'
+        rewritten = rewritten_modules(model, modules)
+        calls, f = recorded_forward(model, detached(x), modules, rewritten, batch)
         check_batch_first(calls, batch, root)
         loss = loss_of_output(f)
         targets = [c.signal_targets() for c in calls]

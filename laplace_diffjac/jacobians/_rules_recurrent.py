@@ -29,6 +29,12 @@ from ._layer_calls import LayerCall
 
 RECURRENT = (nn.RNN, nn.LSTM, nn.GRU)
 
+#: Module types that ``vmap`` over samples cannot run: under ``vmap`` a cell
+#: creates its zero state unbatched and writes the batched result into it
+#: (``LSTMCell``'s ``torch.func`` derivatives come out wrong), and the fused
+#: kernels of the layers have no batching rule.
+SAMPLE_BY_SAMPLE = (nn.RNNBase, nn.RNNCellBase)
+
 
 def unsupported_reason(module: nn.RNNBase) -> str | None:
     """Why the rule cannot handle ``module``, or ``None`` if it can."""

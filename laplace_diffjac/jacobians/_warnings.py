@@ -1,4 +1,4 @@
-"""The one PyTorch warning this package silences, and only inside its own calls."""
+"""The PyTorch warnings this package silences, and only inside its own calls."""
 
 from __future__ import annotations
 
@@ -25,4 +25,27 @@ def quiet_full_backward_hook_warning() -> Iterator[None]:
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD)
+        yield
+
+
+@contextmanager
+def quiet_batching_fallbacks() -> Iterator[None]:
+    """Silence PyTorch's "performance drop" notice of ``vmap``'s loop, for the call.
+
+    ``vmap`` runs an operator without a batching rule (``Bilinear``'s
+    ``_trilinear``, ``EmbeddingBag``, ``weight_norm``) in a loop: correct, only
+    slower (the module audit checks them against a per-sample autograd loop).
+
+    Yields
+    ------
+    None
+
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message="There is a performance drop because we have not yet "
+            "implemented the batching rule",
+            category=UserWarning,
+        )
         yield

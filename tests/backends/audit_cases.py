@@ -4,6 +4,8 @@ Every case is ``layer -> tanh -> flatten -> Linear(·, OUTPUTS)``, so that the
 module's parameters have non-trivial second derivatives and the model has
 ``OUTPUTS`` outputs, fewer than ``BATCH`` samples (``B != C``: a batching rule that
 mixes the sample and output dimensions crashes or gives wrong numbers there).
+Beside the ``torch.nn`` modules, the building blocks of downloaded models
+(torchvision's, with in-place activations and residual additions).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
+from torchvision.models.mobilenetv3 import InvertedResidual, InvertedResidualConfig
+from torchvision.models.resnet import BasicBlock, Bottleneck
 
 BATCH = 5
 OUTPUTS = 3
@@ -53,6 +57,92 @@ class _Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.weight
+
+
+class HFConv1D(nn.Module):
+    """Hugging Face's ``Conv1D`` (GPT-2): a Linear layer with weight ``(in, out)``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx**0.5)
+        self.bias = nn.Parameter(torch.linspace(-0.5, 0.5, nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class _Patches(nn.Module):
+    """ViT's patch embedding: a strided convolution, tokens ``(B, N, D)``."""
+
+    def __init__(self, channels: int, width: int, patch: int) -> None:
+        super().__init__()
+        self.projection = nn.Conv2d(channels, width, patch, stride=patch)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.projection(pixels).flatten(2).transpose(1, 2)
+
+
+class ViTLikeEmbeddings(nn.Module):
+    """Hugging Face's ``ViTEmbeddings``: it holds the class token and the position
+    embeddings itself and adds them in its own forward."""
+
+    def __init__(self, channels: int = 2, image: int = 4, patch: int = 2) -> None:
+        super().__init__()
+        width, tokens = 4, (image // patch) ** 2
+        self.cls_token = nn.Parameter(torch.randn(1, 1, width))
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, width))  # unused here
+        self.patch_embeddings = _Patches(channels, width, patch)
+        self.position_embeddings = nn.Parameter(torch.randn(1, tokens + 1, width))
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        embeddings = self.patch_embeddings(pixels)
+        cls_tokens = self.cls_token.expand(pixels.shape[0], -1, -1)
+        embeddings = torch.cat((cls_tokens, embeddings), dim=1)
+        return self.dropout(embeddings + self.position_embeddings)
+
+
+class HandRMSNorm(nn.Module):
+    """The RMSNorm of LLaMA-style code, written out rather than ``nn.RMSNorm``."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+class BertLikeEmbeddings(nn.Module):
+    """Hugging Face's ``BertEmbeddings``: position ids ``(1, T)`` shared by the batch,
+    their embeddings broadcast onto the tokens' (added in place), then LayerNorm."""
+
+    def __init__(self, vocab: int = 7, positions: int = 4, width: int = 4) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, width, padding_idx=0)
+        self.position_embeddings = nn.Embedding(positions, width)
+        self.token_type_embeddings = nn.Embedding(2, width)
+        self.LayerNorm = nn.LayerNorm(width)
+        self.register_buffer(
+            "position_ids", torch.arange(positions).expand((1, -1)), persistent=False
+        )
+        self.register_buffer(
+            "token_type_ids", torch.zeros(1, positions, dtype=torch.long)
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        batch, length = input_ids.shape
+        position_ids = self.position_ids[:, :length]
+        token_type_ids = self.token_type_ids[:, :length].expand(batch, length)
+        embeddings = self.word_embeddings(input_ids)
+        embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        embeddings += self.position_embeddings(position_ids)
+        return self.LayerNorm(embeddings)
 
 
 @dataclass(frozen=True)
@@ -302,4 +392,60 @@ CASES: dict[str, Case] = {
     "custom-parameter": Case(
         lambda: nn.Sequential(nn.Linear(4, 6), _Scale(6)), 6, (4,)
     ),
+    # modules without a rule of their own (the local rule): other libraries'
+    # building blocks, mirrored
+    "HF-Conv1D": Case(lambda: HFConv1D(5, 4), 15, (3, 4)),
+    "ViT-like-embeddings": Case(ViTLikeEmbeddings, 20, (2, 4, 4)),
+    "BERT-like-embeddings": Case(BertLikeEmbeddings, 12, (3,), tokens=7),
+    "hand-written-RMSNorm": Case(
+        lambda: nn.Sequential(nn.Linear(4, 6), HandRMSNorm(6)), 6, (4,)
+    ),
+    # torchvision's residual blocks: nn.ReLU(inplace=True) after batch norm and
+    # `out += identity` write into the outputs of parameterised modules
+    "BasicBlock-in-place": Case(lambda: BasicBlock(2, 2), 18, (2, 3, 3)),
+    "Bottleneck-in-place-downsample": Case(
+        lambda: Bottleneck(
+            2, 1, downsample=nn.Sequential(nn.Conv2d(2, 4, 1), nn.BatchNorm2d(4))
+        ),
+        36,
+        (2, 3, 3),
+    ),
+    # MobileNetV3's block: Hardswish(inplace=True), a squeeze-excitation gate with
+    # Hardsigmoid (no double backward in PyTorch), `result += input`
+    "InvertedResidual-SE-hardswish": Case(
+        lambda: InvertedResidual(
+            InvertedResidualConfig(8, 3, 16, 8, True, "HS", 1, 1, 1.0),
+            nn.BatchNorm2d,
+        ),
+        32,
+        (8, 2, 2),
+    ),
 }
+
+
+#: Cases both engines must get right, not refuse: the modules the BackPACK
+#: backends once sent elsewhere (the local rule takes them now) and the building
+#: blocks of downloaded models.
+MUST_BE_RIGHT = frozenset(
+    {
+        "Bilinear",
+        "Conv2d-groups-reflect",
+        "Conv3d-circular",
+        "SyncBatchNorm",
+        "RMSNorm",
+        "EmbeddingBag",
+        "EmbeddingBag-max-padding_idx",
+        "EmbeddingBag-sum-padding_idx",
+        "RNNCell",
+        "LSTMCell",
+        "GRUCell",
+        "custom-parameter",
+        "HF-Conv1D",
+        "ViT-like-embeddings",
+        "BERT-like-embeddings",
+        "hand-written-RMSNorm",
+        "BasicBlock-in-place",
+        "Bottleneck-in-place-downsample",
+        "InvertedResidual-SE-hardswish",
+    }
+)

@@ -267,13 +267,37 @@ class _BilinearNet(nn.Module):
 
 
 @pytest.mark.parametrize("backend_cls", [DiffBackPackGGN, DiffBackPackEF])
-def test_unsupported_module_is_named_and_model_untouched(backend_cls):
+def test_module_without_a_rule_takes_the_local_rule_mid_model(backend_cls):
     torch.manual_seed(0)
     model = _BilinearNet().double()
     before = model_state(model)
-    backend = backend_cls(model, "regression")
     x = torch.randn(5, 3, dtype=torch.float64)  # B != C
-    with pytest.raises(UnsupportedModuleError, match=r"mix \(Bilinear.*DiffFuncGGN"):
+    J, _ = backend_cls(model, "regression").jacobians(x)
+    assert_same_state(before, model_state(model))
+    J_ref = loop_jacobians(model, x)[0].detach()
+    torch.testing.assert_close(J, J_ref, rtol=1e-10, atol=1e-12)
+
+
+class _BiasKVNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, add_bias_kv=True, batch_first=True)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.parametrize("backend_cls", [DiffBackPackGGN, DiffBackPackEF])
+def test_unsupported_module_is_named_and_model_untouched(backend_cls):
+    torch.manual_seed(0)
+    model = _BiasKVNet().double().eval()
+    before = model_state(model)
+    backend = backend_cls(model, "regression")
+    x = torch.randn(5, 3, 4, dtype=torch.float64)  # B != C
+    with pytest.raises(
+        UnsupportedModuleError, match=r"attn \(MultiheadAttention.*DiffFuncGGN"
+    ):
         backend.jacobians(x)
     assert_same_state(before, model_state(model))
     J, _ = DiffFuncGGN(model, "regression").jacobians(x)  # the way out works

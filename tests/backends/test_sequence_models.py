@@ -23,7 +23,12 @@ from laplace_diffjac import (
     UnsupportedModuleError,
 )
 from tests.conftest import SEQUENCE_CASES, SequenceCase
-from tests.references import assert_same_state, model_state, reference_jacobians
+from tests.references import (
+    assert_same_state,
+    loop_jacobians,
+    model_state,
+    reference_jacobians,
+)
 
 BY_NAME = {c.name: c for c in SEQUENCE_CASES}
 
@@ -237,15 +242,21 @@ class _SharedPositions(nn.Module):
 
 
 @pytest.mark.parametrize("backend_cls", [DiffBackPackGGN, DiffBackPackEF])
-def test_an_input_shared_by_the_batch_is_refused_by_name(backend_cls):
+def test_an_input_shared_by_the_batch_is_expanded_to_it(backend_cls):
+    """The shared lookup's signals are summed over the batch; expanded, each
+    sample gets its own (``jacobians/_forward.py``)."""
+    torch.manual_seed(0)
     model = _SharedPositions().double()
     x = {"input_ids": torch.randint(0, 7, (3, 5))}
+    y = torch.tensor([0, 1, 1])
     before = model_state(model)
     backend = backend_cls(model, "classification")
-    with pytest.raises(UnsupportedModuleError, match=r"'pos'.*1.*batch size 3.*expand"):
-        backend.jacobians(x)
-    with pytest.raises(UnsupportedModuleError, match="'pos'"):
-        backend.gradients(x, torch.tensor([0, 1, 1]))
+    J, _ = backend.jacobians(x)
+    J_ref, _ = loop_jacobians(model, x)
+    torch.testing.assert_close(J, J_ref.detach(), rtol=1e-10, atol=1e-12)
+    Gs, _ = backend.gradients(x, y)
+    Gs_ref, _ = DiffFuncGGN(model, "classification").gradients(x, y)
+    torch.testing.assert_close(Gs, Gs_ref, rtol=1e-10, atol=1e-12)
     assert_same_state(before, model_state(model))
 
 

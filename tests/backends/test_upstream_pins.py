@@ -128,3 +128,26 @@ def test_embedding_bag_jacobians_differentiate():
     model = nn.Sequential(nn.EmbeddingBag(7, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     x = torch.randint(0, 7, (5, 3))
     _gradient_check(model, x, lambda m, x: loop_jacobians(m, x)[0])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="hardsigmoid_backward has no derivative "
+    "(worked around in laplace_diffjac/jacobians/_elementary.py)",
+)
+def test_hardsigmoid_differentiates_twice():
+    x = torch.linspace(-4, 4, 7, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradgradcheck(torch.nn.functional.hardsigmoid, (x,))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="hardsigmoid's derivative in float64 is float32's 1/6, 3e-8 off "
+    "(laplace_diffjac/jacobians/_elementary.py and tests/references.py use 1/6)",
+)
+def test_hardsigmoid_derivative_is_one_sixth_in_float64():
+    x = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(torch.nn.functional.hardsigmoid(x).sum(), x)
+    torch.testing.assert_close(g, torch.full_like(g, 1 / 6), rtol=1e-14, atol=0)
