@@ -269,3 +269,24 @@ SEQUENCE_CASES = [
         loop_reference=True,
     ),
 ]
+
+
+@pytest.fixture
+def assembled_widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many parameters each Jacobian assembly writes, in call order.
+
+    Wraps ``assemble`` wherever the engine, the factor Gram and the factor
+    products call it, for the duration of the test.
+    """
+    from laplace_diffjac.jacobians import _assembly, _engine, _factor_products
+    from laplace_diffjac.kernels import _factor_gram
+
+    widths: list[int] = []
+
+    def counting(factors, params, *args):
+        widths.append(len(params))
+        return _assembly.assemble(factors, params, *args)
+
+    for module in (_engine, _factor_gram, _factor_products):
+        monkeypatch.setattr(module, "assemble", counting)
+    return widths

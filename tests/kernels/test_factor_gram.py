@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN, UnsupportedModuleError
-from laplace_diffjac.jacobians import _engine
-from laplace_diffjac.kernels import _factor_gram, ntk, ntk_diag
+from laplace_diffjac.kernels import ntk, ntk_diag
 from laplace_diffjac.kernels._ntk import factor_route_applies
 from tests.backends.audit_cases import CASES
 from tests.class_models import MODELS, built
@@ -198,21 +197,12 @@ def test_float32_gram_within_1e_5_of_float64_loop() -> None:
     torch.testing.assert_close(K64, reference, rtol=1e-5, atol=1e-5)
 
 
-def test_factor_route_never_assembles_all_parameters(monkeypatch) -> None:
+def test_factor_route_never_assembles_all_parameters(assembled_widths) -> None:
     """Only one parameter's block is ever written (for the block route)."""
     model, x = _built("cnn")
-    written = []
-    original = _engine.assemble
-
-    def counting(factors, params, *args):
-        written.append(len(params))
-        return original(factors, params, *args)
-
-    monkeypatch.setattr(_engine, "assemble", counting)
-    monkeypatch.setattr(_factor_gram, "assemble", counting)
     ntk(DiffBackPackGGN(model, "regression"), x, structured=True)
-    assert written, "the convolutions' blocks should take the block route"
-    assert all(n == 1 for n in written)
+    assert assembled_widths, "the convolutions' blocks should take the block route"
+    assert all(n == 1 for n in assembled_widths)
 
 
 def test_structured_true_refused_for_routes_without_factors() -> None:

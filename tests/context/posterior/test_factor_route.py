@@ -19,8 +19,6 @@ import torch
 
 from laplace_diffjac import ContextPosterior, DiffBackPackGGN
 from laplace_diffjac.context.posterior import _evidence_gradient
-from laplace_diffjac.jacobians import _engine, _factor_products
-from laplace_diffjac.kernels import _factor_gram
 from tests.class_models import built
 from tests.references import central_difference, loop_jacobians
 
@@ -114,17 +112,11 @@ def test_predictive_equals_the_dense_formulas(name, likelihood, structure):
     torch.testing.assert_close(per_input, blocks, **TOL)
 
 
-def test_structured_false_forms_jacobians_and_gives_the_same_numbers(monkeypatch):
+def test_structured_false_forms_jacobians_and_gives_the_same_numbers(
+    assembled_widths,
+):
     model, x, y, z, xs = _problem("cnn", "classification")
     prec = _prior_precision(model, "layerwise")
-    written = []
-    original = _engine.assemble
-
-    def counting(factors, params, *args):
-        written.append(len(params))
-        return original(factors, params, *args)
-
-    monkeypatch.setattr(_engine, "assemble", counting)
     cp = ContextPosterior(
         model, "classification", z, prior_precision=prec, jitter=0.0,
         predictive_mean="dual", batch_size=5, structured=False,
@@ -133,7 +125,7 @@ def test_structured_false_forms_jacobians_and_gives_the_same_numbers(monkeypatch
     mu, joint = cp.joint_predictive(xs)
     torch.testing.assert_close(joint, cov, **TOL)
     torch.testing.assert_close(mu, mean, **TOL)
-    assert max(written) == len(list(model.parameters()))  # J of all parameters
+    assert max(assembled_widths) == len(list(model.parameters()))  # J of all
 
 
 @pytest.mark.parametrize("likelihood", ["regression", "classification"])
@@ -195,25 +187,16 @@ def test_evidence_gradient_in_the_locations_equals_central_differences(name):
 
 
 def test_fit_update_predict_and_evidence_never_write_more_than_one_block(
-    monkeypatch,
+    assembled_widths,
 ):
     model, x, y, z, xs = _problem("cnn", "classification")
-    written = []
-    original = _engine.assemble
-
-    def counting(factors, params, *args):
-        written.append(len(params))
-        return original(factors, params, *args)
-
-    for module in (_engine, _factor_gram, _factor_products):
-        monkeypatch.setattr(module, "assemble", counting)
     cp = ContextPosterior(model, "classification", z, predictive_mean="dual")
     cp.fit((x[:8], y[:8])).update(x[8:], y[8:])
     cp(xs)
     cp.joint_predictive(xs[None])
     cp.log_marginal_likelihood()
-    assert written, "the convolutions' blocks should take the block route"
-    assert all(n == 1 for n in written)
+    assert assembled_widths, "the convolutions' blocks should take the block route"
+    assert all(n == 1 for n in assembled_widths)
     P, MC = sum(p.numel() for p in model.parameters()), len(z) * 3
     largest = max(t.numel() for t in cp.state_dict()["accumulators"].values()
                   if isinstance(t, torch.Tensor))  # fmt: skip
