@@ -1,7 +1,9 @@
 """``DiffBackPackGGN`` and ``DiffBackPackEF``: laplace-torch's BackPACK backends.
 
-Both are reimplemented on :mod:`laplace_diffjac.jacobians` and
-:mod:`laplace_diffjac.jacobians`.
+Both are reimplemented on the package's Jacobian engine
+(:mod:`laplace_diffjac.jacobians`): Jacobians, gradients and the curvature (``diag``,
+``kron``, ``full``) of any module structure it takes, with dict-like inputs, and
+nothing of BackPACK's extensions.
 
 Every method that runs a backward pass is replaced. The results equal laplace-torch's
 (see the tests), but: no ``.grad`` is written anywhere, nothing is left on the model
@@ -17,25 +19,23 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from backpack.extensions import (
-    KFAC,
-    KFLR,
-    DiagGGNExact,
-    DiagGGNMC,
-    SumGradSquared,
-)
 from laplace.curvature import BackPackEF, BackPackGGN, BackPackInterface
 from laplace.utils import Kron
 from torch import nn
 
-from ..jacobians._backpack_run import run_extension
+from ..jacobians._curvature import (
+    ef_diagonal,
+    ggn_diagonal,
+    ggn_kronecker_factors,
+)
 from ..jacobians._engine import (
     JacobianFactors,
     jacobian_factors,
     parameter_jacobians,
     per_sample_gradients,
 )
-from ..jacobians._inputs import check_mapping_or_tensor_batch, check_tensor_batch
+from ..jacobians._inputs import check_mapping_or_tensor_batch
+from ..jacobians._kronecker import check_kfac_approx
 from ..jacobians._last_layer import last_layer_jacobians
 from ._chunking import (
     DEFAULT_JACOBIAN_BUDGET,
@@ -251,24 +251,17 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
         )
         return self._select(Gs), loss
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor, extension: Any) -> tuple:
-        x = check_tensor_batch(x, self.model, self._name)
-        return run_extension(
-            self.model,
-            self._model,  # type: ignore[attr-defined]
-            self.lossfunc,
-            x,
-            y,
-            extension,
-            self.params,
-            flatten_classification=self.likelihood != "regression",
-        )
-
-    def _diag_with(
-        self, x: torch.Tensor, y: torch.Tensor, extension: Any
+    def _loss_and_diagonal(
+        self, x: torch.Tensor | Mapping[str, Any], y: torch.Tensor, *, rows: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, values = self._run(x, y, extension)
-        diag = torch.cat([v.detach().flatten() for v in values])
+        """``factor`` times the loss and the diagonal of the GGN, its MC or the EF."""
+        check_mapping_or_tensor_batch(x, self.model, self._name)
+        root: nn.Module = self._model  # type: ignore[attr-defined]
+        args = (self.model, root, self.lossfunc, x, y, self.params)
+        if rows == "gradients":
+            loss, diag = ef_diagonal(*args)
+        else:
+            loss, diag = ggn_diagonal(*args, stochastic=rows == "mc")
         if self.subnetwork_indices is not None:
             diag = diag[self.subnetwork_indices]
         return self.factor * loss, self.factor * diag
@@ -291,6 +284,9 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
     jacobian_budget : int, default=2**30
         Bytes of per-sample Jacobians computed at once (``full``, ``jacobians``);
         a single sample above it is refused with an error naming it.
+    kfac_approx : {'expand', 'reduce'}, default='expand'
+        ``kron``'s KFAC setting for layers shared over tokens (Eschenhagen et al.
+        2023; curvlinops' default is ``'expand'``); no effect without tokens.
     **kwargs
         Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``).
 
@@ -304,8 +300,10 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
         subnetwork_indices: torch.LongTensor | None = None,
         stochastic: bool = False,
         jacobian_budget: int = DEFAULT_JACOBIAN_BUDGET,
+        kfac_approx: str = "expand",
         **kwargs: Any,
     ) -> None:
+        self.kfac_approx = check_kfac_approx(kfac_approx)
         super().__init__(
             model,
             likelihood,
@@ -317,14 +315,14 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
         self.stochastic = stochastic
 
     def diag(
-        self, x: torch.Tensor, y: torch.Tensor, **kwargs: Any
+        self, x: torch.Tensor | Mapping[str, Any], y: torch.Tensor, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Diagonal of the GGN (or MC Fisher) on one batch.
+        """Diagonal of the GGN (or MC Fisher) on one batch, for any module structure.
 
         Parameters
         ----------
-        x : torch.Tensor
-            Input batch ``(batch, *input_shape)``.
+        x : torch.Tensor or Mapping
+            Input batch ``(batch, *input_shape)`` or a dict-like batch.
         y : torch.Tensor
             Targets.
         **kwargs
@@ -338,22 +336,33 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
             ``(parameters,)``.
 
         """
-        extension = DiagGGNMC() if self.stochastic else DiagGGNExact()
-        return self._diag_with(x, y, extension)
+        return self._loss_and_diagonal(x, y, rows="mc" if self.stochastic else "ggn")
 
     def kron(
-        self, x: torch.Tensor, y: torch.Tensor, N: int, **kwargs: Any
+        self,
+        x: torch.Tensor | Mapping[str, Any],
+        y: torch.Tensor,
+        N: int,
+        kfac_approx: str | None = None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, Kron]:
-        """Kronecker-factored GGN (KFLR) or MC Fisher (KFAC) on one batch.
+        """Kronecker-factored GGN (or MC Fisher) on one batch, for any module structure.
+
+        BackPACK's ``KFLR``/``KFAC`` factors for ``Linear`` and convolution layers
+        without tokens; KFAC-expand or -reduce for layers shared over tokens; the
+        exact block, or its nearest Kronecker product, for other parameters (see
+        :mod:`laplace_diffjac.jacobians._kronecker`).
 
         Parameters
         ----------
-        x : torch.Tensor
-            Input batch ``(batch, *input_shape)``.
+        x : torch.Tensor or Mapping
+            Input batch ``(batch, *input_shape)`` or a dict-like batch.
         y : torch.Tensor
             Targets.
         N : int
             Size of the whole data set, to rescale the factors.
+        kfac_approx : {'expand', 'reduce'}, optional
+            This call's KFAC setting; the backend's ``kfac_approx`` by default.
         **kwargs
             Ignored (laplace-torch's signature).
 
@@ -365,10 +374,19 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
             Kronecker factors per parameter.
 
         """
-        extension = KFAC() if self.stochastic else KFLR()
-        loss, values = self._run(x, y, extension)
-        kron = Kron([[f.detach() for f in factors] for factors in values])
-        kron = self._rescale_kron_factors(kron, len(y), N)
+        check_mapping_or_tensor_batch(x, self.model, self._name)
+        approx = check_kfac_approx(kfac_approx or self.kfac_approx)
+        loss, factors = ggn_kronecker_factors(
+            self.model,
+            self._model,
+            self.lossfunc,
+            x,
+            y,
+            self.params,
+            stochastic=self.stochastic,
+            approx=approx,
+        )
+        kron = self._rescale_kron_factors(Kron(factors), len(y), N)
         return self.factor * loss, self.factor * kron
 
 
@@ -394,14 +412,14 @@ class DiffBackPackEF(_SideEffectFreeBackPack, BackPackEF):
     _jacobian_rows = 1  # full() takes per-sample gradients, one row per sample
 
     def diag(
-        self, x: torch.Tensor, y: torch.Tensor, **kwargs: Any
+        self, x: torch.Tensor | Mapping[str, Any], y: torch.Tensor, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Diagonal of the empirical Fisher on one batch (BackPACK ``SumGradSquared``).
+        """Diagonal of the empirical Fisher on one batch, for any module structure.
 
         Parameters
         ----------
-        x : torch.Tensor
-            Input batch ``(batch, *input_shape)``.
+        x : torch.Tensor or Mapping
+            Input batch ``(batch, *input_shape)`` or a dict-like batch.
         y : torch.Tensor
             Targets.
         **kwargs
@@ -415,4 +433,4 @@ class DiffBackPackEF(_SideEffectFreeBackPack, BackPackEF):
             ``(parameters,)``.
 
         """
-        return self._diag_with(x, y, SumGradSquared())
+        return self._loss_and_diagonal(x, y, rows="gradients")

@@ -18,6 +18,8 @@ Factor kinds, for ``V`` rows (outputs), ``B`` samples:
     ``(B, V, out, L)`` and inputs ``a`` ``(B, L, K)``: Linear (``L`` = extra
     positions, ``K`` = in features) and Conv2d (``L`` = output positions, ``K`` =
     unfolded patch size). With ``L == 1`` an outer product.
+:class:`TransposedProduct`
+    the same with the columns ordered ``(K, out)``: Hugging Face's ``Conv1D``.
 :class:`Summed`
     ``J[b, v, o] = Σ_l g[v, b, o, l]``: biases.
 :class:`Scattered`
@@ -59,17 +61,31 @@ class Product:
         """The autograd inputs, in the order ``write`` and ``backward`` take them."""
         return (self.g, self.a)
 
-    @staticmethod
+    #: Columns ordered ``(out, K)`` (a weight ``(out, in)``); ``True`` in
+    #: :class:`TransposedProduct`, whose weight is stored ``(K, out)``.
+    transposed: ClassVar[bool] = False
+
+    @classmethod
+    def block_view(cls, dst: torch.Tensor, n_out: int, width: int) -> torch.Tensor:
+        """``dst`` ``(B, V, out·K)`` as ``(B, V, out, K)`` in the column order."""
+        batch, n_rows = dst.shape[:2]
+        if cls.transposed:
+            return dst.view(batch, n_rows, width, n_out).transpose(2, 3)
+        return dst.view(batch, n_rows, n_out, width)
+
+    @classmethod
     def write(
-        dst: torch.Tensor, accumulate: bool, g: torch.Tensor, a: torch.Tensor
+        cls, dst: torch.Tensor, accumulate: bool, g: torch.Tensor, a: torch.Tensor
     ) -> None:
         """Write (or add) the block into ``dst`` ``(B, V, out·K)``, no autograd."""
         batch, n_rows, n_out, positions = g.shape
-        view = dst.view(batch, n_rows, n_out, a.shape[2])
+        view = cls.block_view(dst, n_out, a.shape[2])
         if positions == 1:
             outer = (g, a[:, None, :, :])
             if accumulate:
                 view.addcmul_(*outer)
+            elif cls.transposed:
+                view.copy_(outer[0] * outer[1])
             else:
                 torch.mul(*outer, out=view)
             return
@@ -80,13 +96,13 @@ class Product:
         else:
             view.copy_(block)
 
-    @staticmethod
+    @classmethod
     def backward(
-        grad: torch.Tensor, g: torch.Tensor, a: torch.Tensor
+        cls, grad: torch.Tensor, g: torch.Tensor, a: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients with respect to ``g`` and ``a`` of ``<grad, J>``."""
         batch, n_rows, n_out, positions = g.shape
-        view = grad.view(batch, n_rows, n_out, a.shape[2])
+        view = cls.block_view(grad, n_out, a.shape[2])
         if positions == 1:
             a_col = a.transpose(1, 2).unsqueeze(1)  # (B, 1, K, 1)
             grad_g = torch.matmul(view, a_col)  # (B, V, out, 1)
@@ -98,6 +114,18 @@ class Product:
         # (K, L)-major: several times faster than (L, K) for few, long rows
         grad_a_t = torch.bmm(rows.transpose(1, 2), g.reshape(batch, -1, positions))
         return grad_g, grad_a_t.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class TransposedProduct(Product):
+    """:class:`Product` of a weight stored ``(K, out)``: columns ordered ``(K, out)``.
+
+    Hugging Face's ``Conv1D`` (GPT-2's Linear, ``x @ W + b`` with ``W`` ``(in,
+    out)``). Grams and other contractions that do not depend on the column order
+    treat it as a :class:`Product`.
+    """
+
+    transposed: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -216,12 +244,21 @@ class Dense:
         return (grad.transpose(0, 1),)
 
 
-Factors = Union[Product, Summed, Scattered, Dense]
+Factors = Union[Product, TransposedProduct, Summed, Scattered, Dense]
 
 #: One entry of the layout: factor kind, first column, number of columns,
 #: whether the block adds to an earlier one (shared modules).
 _Entry = tuple[
-    Union[type[Product], type[Summed], type[Scattered], type[Dense]], int, int, bool
+    Union[
+        type[Product],
+        type[TransposedProduct],
+        type[Summed],
+        type[Scattered],
+        type[Dense],
+    ],
+    int,
+    int,
+    bool,
 ]
 
 

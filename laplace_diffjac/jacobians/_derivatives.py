@@ -3,14 +3,14 @@
 Given the gradients of V scalar-per-sample functions with respect to a module's
 output, ``(V, batch, *output_shape)``, describe the per-sample gradients with
 respect to its parameters as factors for :func:`.jacobian_blocks.assemble`.
-``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding) use a
-closed form (signals times inputs), which is never materialised before it is
-written into the final Jacobian; so do the types in :data:`RULES` (Embedding as a
-scatter, norms, attention, recurrent layers). The module types that BackPACK's
-``BatchGrad`` supports go through BackPACK's derivatives object (``param_mjp``),
-with BackPACK's bookkeeping attributes (``input0``, ``output``) on the module
-only for the duration of one call. Every other module holding parameters (of
-your own, or from another library) gets the local rule (``_rules_local``): the
+``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding) use a closed
+form (signals times inputs), which is never materialised before it is written into
+the final Jacobian; so do the types in :data:`RULES` (Embedding as a scatter, norms,
+attention, recurrent layers) and Hugging Face's ``Conv1D``. The module types that
+BackPACK's ``BatchGrad`` supports go through BackPACK's derivatives object
+(``param_mjp``), with BackPACK's bookkeeping attributes (``input0``, ``output``) on
+the module only for the duration of one call. Every other module holding parameters
+(of your own, or from another library) gets the local rule (``_rules_local``): the
 module alone, differentiated sample by sample with ``torch.func``.
 """
 
@@ -44,6 +44,7 @@ from ._rules_conv import (
     conv_factors,
     has_closed_form_conv,
 )
+from ._rules_conv1d import conv1d_factors, is_hf_conv1d
 from ._rules_local import local_factors
 from ._rules_norm import INSTANCE_NORMS, group_norm_factors, layer_norm_factors
 from ._rules_prelu import prelu_factors
@@ -63,6 +64,19 @@ RULES: dict[type[nn.Module], Rule] = {
     nn.MultiheadAttention: _rules_attention.attention_factors,
     **{t: _rules_recurrent.recurrent_factors for t in _rules_recurrent.RECURRENT},
 }
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The rule of ``module``'s type, Hugging Face's ``Conv1D`` included, or ``None``.
+
+    Returns
+    -------
+    Rule or None
+
+    """
+    if is_hf_conv1d(module):
+        return conv1d_factors
+    return RULES.get(type(module))
 
 
 #: Module types whose computation is redone while recording (see
@@ -225,7 +239,7 @@ def uses_local_rule(module: nn.Module) -> bool:
     kind = type(module)
     if kind in PADDED_CONVS and not has_closed_form_conv(module):
         return module.padding_mode != "zeros"
-    return kind not in DERIVATIVES and kind not in RULES
+    return kind not in DERIVATIVES and rule_for(module) is None
 
 
 def _refusal(module: nn.Module, name: str) -> str | None:
@@ -299,7 +313,7 @@ def param_jacobian_factors(
     for call, grads in zip(calls, output_grads):
         if all(g is None for g in grads):
             continue
-        rule = RULES.get(type(call.module))
+        rule = rule_for(call.module)
         grad = grads[0]
         if rule is not None:
             blocks = rule(call, grads, wanted)

@@ -179,13 +179,22 @@ def jacobian_factors(
     root: nn.Module | None = None,
     enable_backprop: bool = False,
     selected_outputs: torch.Tensor | None = None,
+    seeds: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> JacobianFactors:
     """Per-layer factors of the per-sample Jacobians with respect to ``params``.
 
     Steps 1 to 3 of the module docstring without the final write of ``J``: what
     :func:`parameter_jacobians` assembles, and what the NTK contracts layer by
     layer (:mod:`laplace_diffjac.kernels`). Arguments as for
-    :func:`parameter_jacobians`.
+    :func:`parameter_jacobians`, and:
+
+    Parameters
+    ----------
+    seeds : callable, optional
+        Maps the detached model output ``(batch, C)`` to the rows to
+        differentiate, ``(V, batch, C)``: row ``v`` of sample ``b`` is
+        ``seeds[v, b] · J_b`` (a square root of the loss Hessian for the GGN, the
+        loss gradient for the empirical Fisher). Not with ``selected_outputs``.
 
     Returns
     -------
@@ -204,7 +213,10 @@ def jacobian_factors(
         f = check_model_output(f, batch)
         check_batch_first(calls, batch, root)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
-        signals = _output_signals(f2, selected_outputs)
+        if seeds is None:
+            signals = _output_signals(f2, selected_outputs)
+        else:
+            signals = seeds(f2.detach())
         targets = [c.signal_targets() for c in calls]
         with (
             quiet_full_backward_hook_warning(),  # hooks of a user-extended model

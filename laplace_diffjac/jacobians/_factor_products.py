@@ -21,14 +21,14 @@ more than ``_BLOCK_BYTES``. Everything is ordinary autograd on the factors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from ._assembly import Dense, Factors, Product, Scattered, Summed, assemble
 from ._engine import JacobianFactors
 
-__all__ = ["factor_ggn_diagonal", "factor_jvp"]
+__all__ = ["factor_ggn_diagonal", "factor_jvp", "parameter_blocks"]
 
 #: Largest block (bytes) that the diagonal's block route writes at once.
 _BLOCK_BYTES = 64 * 2**20
@@ -70,7 +70,11 @@ def _entry_jvp(entry: Factors, v: torch.Tensor) -> torch.Tensor:
     """``J_p v_p`` ``(B, V)`` of one factor entry and its parameter's slice."""
     if isinstance(entry, Product):
         n_out, width = entry.g.shape[2], entry.a.shape[2]
-        av = torch.einsum("blk,ok->bol", entry.a, v.reshape(n_out, width))
+        if entry.transposed:
+            rows = v.reshape(width, n_out).T
+        else:
+            rows = v.reshape(n_out, width)
+        av = torch.einsum("blk,ok->bol", entry.a, rows)
         return torch.einsum("bvol,bol->bv", entry.g, av)
     if isinstance(entry, Summed):
         return torch.einsum("vbo,o->bv", entry.g.sum(3), v)
@@ -82,7 +86,9 @@ def _entry_jvp(entry: Factors, v: torch.Tensor) -> torch.Tensor:
 
 
 def factor_ggn_diagonal(
-    parts: JacobianFactors, params: Sequence[torch.Tensor], lam: torch.Tensor
+    parts: JacobianFactors,
+    params: Sequence[torch.Tensor],
+    lam: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Σ_b diag(J_bᵀ Λ_b J_b)`` from the factors.
 
@@ -92,8 +98,9 @@ def factor_ggn_diagonal(
         Factors of ``B`` samples, ``V`` rows.
     params : sequence of torch.Tensor
         The parameters in the Jacobian's column order.
-    lam : torch.Tensor
-        ``(B, V, V)`` symmetric output Hessians.
+    lam : torch.Tensor, optional
+        ``(B, V, V)`` symmetric output Hessians; the identity by default (rows
+        that are already square roots of the Hessian: ``Σ_b Σ_v J_bv²``).
 
     Returns
     -------
@@ -101,18 +108,21 @@ def factor_ggn_diagonal(
         ``(P,)`` in the promoted dtype of the factors and ``lam``.
 
     """
-    dtype = torch.promote_types(parts.f.dtype, lam.dtype)
+    dtype = parts.f.dtype
+    if lam is not None:
+        dtype = torch.promote_types(dtype, lam.dtype)
+    device = parts.f.device
     blocks = []
     for p in params:
         entries = parts.factors.get(id(p), [])
         if not entries:
-            blocks.append(torch.zeros(p.numel(), dtype=dtype, device=lam.device))
+            blocks.append(torch.zeros(p.numel(), dtype=dtype, device=device))
         elif len(entries) == 1 and _has_closed_form(entries[0]):
             blocks.append(_entry_diagonal(entries[0], lam))
         else:
             blocks.append(_block_diagonal(parts, p, lam))
     if not blocks:
-        return torch.zeros(0, dtype=dtype, device=lam.device)
+        return torch.zeros(0, dtype=dtype, device=device)
     return torch.cat([b.to(dtype) for b in blocks])
 
 
@@ -122,29 +132,58 @@ def _has_closed_form(entry: Factors) -> bool:
     return isinstance(entry, (Summed, Dense))
 
 
-def _entry_diagonal(entry: Factors, lam: torch.Tensor) -> torch.Tensor:
+def _entry_diagonal(entry: Factors, lam: torch.Tensor | None) -> torch.Tensor:
     """The closed forms of the module docstring, ``(n,)`` for one parameter."""
     if isinstance(entry, Product):
         g = entry.g[..., 0]  # (B, V, out)
-        q = torch.einsum("bvo,bvw,bwo->bo", g, lam, g)
-        return torch.einsum("bo,bk->ok", q, entry.a[:, 0].square()).reshape(-1)
+        if lam is None:
+            q = g.square().sum(1)
+        else:
+            q = torch.einsum("bvo,bvw,bwo->bo", g, lam, g)
+        diagonal = torch.einsum("bo,bk->ok", q, entry.a[:, 0].square())
+        return (diagonal.T if entry.transposed else diagonal).reshape(-1)
     if isinstance(entry, Summed):
         s = entry.g.sum(3)  # (V, B, out)
+        if lam is None:
+            return s.square().sum((0, 1))
         return torch.einsum("vbo,bvw,wbo->o", s, lam, s)
     assert isinstance(entry, Dense)
+    if lam is None:
+        return entry.block.square().sum((0, 1))
     return torch.einsum("vbn,bvw,wbn->n", entry.block, lam, entry.block)
 
 
-def _block_diagonal(
-    parts: JacobianFactors, p: torch.Tensor, lam: torch.Tensor
-) -> torch.Tensor:
-    """``p``'s diagonal from its block, a few samples at a time."""
+def parameter_blocks(
+    parts: JacobianFactors, p: torch.Tensor
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``p``'s Jacobian columns ``(b, V, numel)``, a few samples at a time.
+
+    Yields
+    ------
+    samples : slice
+        The samples of the chunk.
+    block : torch.Tensor
+        Their columns of ``J``, never more than ``_BLOCK_BYTES`` at once.
+
+    """
     per_sample = max(1, parts.n_rows * p.numel() * parts.f.element_size())
     step = max(1, _BLOCK_BYTES // per_sample)
-    total = torch.zeros(p.numel(), dtype=lam.dtype, device=lam.device)
     for start in range(0, parts.batch, step):
-        chunk = parts[slice(start, start + step)]
-        J = assemble(chunk.factors, [p], chunk.n_rows, chunk.batch, chunk.f)
-        lam_c = lam[start : start + step].to(J.dtype)
-        total = total + torch.einsum("bvn,bvw,bwn->n", J, lam_c, J).to(total)
+        samples = slice(start, start + step)
+        chunk = parts[samples]
+        yield samples, assemble(chunk.factors, [p], chunk.n_rows, chunk.batch, chunk.f)
+
+
+def _block_diagonal(
+    parts: JacobianFactors, p: torch.Tensor, lam: torch.Tensor | None
+) -> torch.Tensor:
+    """``p``'s diagonal from its block, a few samples at a time."""
+    dtype = parts.f.dtype if lam is None else lam.dtype
+    total = torch.zeros(p.numel(), dtype=dtype, device=parts.f.device)
+    for samples, J in parameter_blocks(parts, p):
+        if lam is None:
+            total = total + J.square().sum((0, 1)).to(total)
+        else:
+            lam_c = lam[samples].to(J.dtype)
+            total = total + torch.einsum("bvn,bvw,bwn->n", J, lam_c, J).to(total)
     return total

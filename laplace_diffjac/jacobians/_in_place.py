@@ -2,7 +2,7 @@
 
 Downloaded models write into tensors in place: ``nn.ReLU(inplace=True)`` after a
 convolution and batch norm, ``out += identity`` at the end of a residual block
-(torchvision's ``BasicBlock``, ``Bottleneck``, ``InvertedResidual``). Three things
+(torchvision's ``BasicBlock``, ``Bottleneck``, ``InvertedResidual``). Two things
 go wrong without care:
 
 * The engine records each parameterised module's output as the tensor its signals
@@ -18,18 +18,11 @@ go wrong without care:
   already overwritten its input when the form is redone from it;
   :func:`.recorded_calls` keeps a copy of the input of such a module from before
   its call.
-* BackPACK's full backward hooks return views that autograd forbids to write into
-  in place. Inside :func:`out_of_place_modules` every module with an ``inplace``
-  flag set computes out of place instead (the flags are put back on exit, also
-  after an exception); an in-place write in a ``forward`` itself cannot be
-  switched off, and :func:`is_hooked_view_write` recognises autograd's error so
-  that it becomes a refusal that names it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -73,38 +66,3 @@ def copied(obj: object) -> object:
 def works_in_place(module: nn.Module) -> bool:
     """Whether ``module`` has an ``inplace`` flag and it is set."""
     return getattr(module, "inplace", None) is True
-
-
-@contextmanager
-def out_of_place_modules(*roots: nn.Module) -> Iterator[None]:
-    """Inside the block, modules of ``roots`` with ``inplace=True`` work out of place.
-
-    For BackPACK's hooks (see the module docstring). A module whose result is
-    used (``out = self.relu(out)``, every ``nn.Sequential``) computes the same
-    values; one called only for its side effect on its input would not, but
-    BackPACK's second-order extensions cannot follow such a module either.
-
-    Yields
-    ------
-    None
-
-    """
-    switched = [m for root in roots for m in root.modules() if works_in_place(m)]
-    try:
-        for module in switched:
-            vars(module)["inplace"] = False
-        yield
-    finally:
-        for module in switched:
-            vars(module)["inplace"] = True
-
-
-def is_hooked_view_write(err: RuntimeError) -> bool:
-    """Whether ``err`` is autograd's refusal to write into a backward hook's view.
-
-    Returns
-    -------
-    bool
-
-    """
-    return "BackwardHookFunction" in str(err) and "inplace" in str(err)

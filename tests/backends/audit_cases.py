@@ -74,6 +74,16 @@ class HFConv1D(nn.Module):
         return x.view(size_out)
 
 
+def _transformers_conv1d(nf: int, nx: int) -> nn.Module:
+    """``transformers.pytorch_utils.Conv1D`` itself, with a bias that matters."""
+    from transformers.pytorch_utils import Conv1D
+
+    layer = Conv1D(nf, nx)
+    with torch.no_grad():
+        layer.bias.copy_(torch.linspace(-0.5, 0.5, nf))
+    return layer
+
+
 class _Patches(nn.Module):
     """ViT's patch embedding: a strided convolution, tokens ``(B, N, D)``."""
 
@@ -395,6 +405,8 @@ CASES: dict[str, Case] = {
     # modules without a rule of their own (the local rule): other libraries'
     # building blocks, mirrored
     "HF-Conv1D": Case(lambda: HFConv1D(5, 4), 15, (3, 4)),
+    # the real one: a closed-form rule (a Linear with its weight transposed)
+    "transformers-Conv1D": Case(lambda: _transformers_conv1d(5, 4), 15, (3, 4)),
     "ViT-like-embeddings": Case(ViTLikeEmbeddings, 20, (2, 4, 4)),
     "BERT-like-embeddings": Case(BertLikeEmbeddings, 12, (3,), tokens=7),
     "hand-written-RMSNorm": Case(
@@ -441,6 +453,7 @@ MUST_BE_RIGHT = frozenset(
         "GRUCell",
         "custom-parameter",
         "HF-Conv1D",
+        "transformers-Conv1D",
         "ViT-like-embeddings",
         "BERT-like-embeddings",
         "hand-written-RMSNorm",

@@ -20,17 +20,6 @@ from tests.references import assert_same_state, model_state
 BACKPACK_BACKENDS = [DiffBackPackGGN, DiffBackPackEF]
 
 
-@pytest.mark.parametrize("backend_cls", BACKPACK_BACKENDS, ids=lambda c: c.__name__)
-def test_dict_input_to_backpack_extensions_points_to_functorch_backend(backend_cls):
-    """diag/kron run BackPACK's own extensions, which take tensors only."""
-    model = kron_friendly_mlp()
-    before = model_state(model)
-    x = {"x": torch.zeros(2, 3, dtype=torch.float64)}
-    with pytest.raises(InvalidInputError, match="DiffFuncGGN"):
-        backend_cls(model, "regression").diag(x, torch.zeros(2, 3))
-    assert_same_state(before, model_state(model))
-
-
 BAD_DICT_INPUTS = {
     "no tensors": ({"ids": [1, 2]}, "holds no tensors"),
     "empty batch": ({"ids": torch.zeros(0, 3, dtype=torch.long)}, "empty batch"),

@@ -4,6 +4,8 @@ The curvature is compared with the GGN built from the per-sample autograd loop (
 1e-10) and with laplace-torch's ``CurvlinopsGGN`` on the same float64 model (which
 differs from the loop's GGN by up to 1e-7 relative here, so to 1e-6); where a
 structure is refused, the error's suggested structure and backend must work.
+``DiffBackPackGGN``'s Kronecker factors of parameters without a KFAC rule are the
+exact block (one-dimensional) or its nearest Kronecker product (a dense SVD).
 """
 
 from __future__ import annotations
@@ -90,36 +92,47 @@ def test_full_laplace_equals_the_loop_ggn_and_curvlinops(name, backend):
     torch.testing.assert_close(H, H_curvlinops, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", [DiffFuncGGN, DiffBackPackGGN])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_diag_laplace_with_difffuncggn_equals_the_loop_ggn(name):
+def test_diag_laplace_equals_the_loop_ggn(name, backend):
     model = MODELS[name]()
-    H = _fit(model, "diag", DiffFuncGGN).H
+    H = _fit(model, "diag", backend).H
     torch.testing.assert_close(H, _loop_ggn(model).diagonal(), rtol=1e-10, atol=1e-10)
     H_curvlinops = _fit(model, "diag", CurvlinopsGGN).H
     torch.testing.assert_close(H, H_curvlinops, rtol=1e-6, atol=1e-7)
 
 
-def test_backpack_diag_of_cells_is_refused_with_a_working_route():
-    model = _cell_net()
-    with pytest.raises(UnsupportedModuleError, match="GRUCell") as info:
-        _fit(model, "diag", DiffBackPackGGN)
-    assert "hessian_structure='full' works" in str(info.value)
-    _fit(model, "diag", DiffFuncGGN)
+def _nearest_kronecker_product(H: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """``σ u ⊗ v`` of the top singular pair of the rearranged block (a dense SVD)."""
+    R = H.reshape(m, n, m, n).permute(0, 2, 1, 3).reshape(m * m, n * n)
+    U, S, Vh = torch.linalg.svd(R)
+    return S[0] * torch.kron(U[:, 0].reshape(m, m), Vh[0].reshape(n, n))
 
 
-def test_backpack_diag_refusal_names_structures_that_work():
-    model = _prelu_mlp()
-    with pytest.raises(UnsupportedModuleError, match="PReLU") as info:
-        _fit(model, "diag", DiffBackPackGGN)
-    message = str(info.value)
-    assert "hessian_structure='full' works" in message
-    assert "'diag' and 'full' work with laplace_diffjac.DiffFuncGGN" in message
-    assert "kron" not in message  # no backend factorises PReLU
-    _fit(model, "full", DiffBackPackGGN)
-    _fit(model, "diag", DiffFuncGGN)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_backpack_kron_without_a_kfac_rule_is_the_exact_or_nearest_block(name):
+    """PReLU's slopes (1-D): the exact block; a GRUCell's weights (local rule): the
+    nearest Kronecker product of their exact block (Van Loan and Pitsianis)."""
+    model = MODELS[name]()
+    X, loader = _data()
+    Y = loader.dataset.tensors[1]
+    _, kron = DiffBackPackGGN(model, "regression").kron(X, Y, N=N_POINTS)
+    H, start = _loop_ggn(model), 0
+    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+    for p, factors in zip(model.parameters(), kron.kfacs):
+        block = H[start : start + p.numel(), start : start + p.numel()]
+        start += p.numel()
+        if isinstance(owners[id(p)], nn.Linear):
+            continue  # KFAC: tests/backends (against curvlinops and BackPACK)
+        if p.dim() == 1:
+            torch.testing.assert_close(factors[0], block, rtol=1e-10, atol=1e-12)
+            continue
+        expected = _nearest_kronecker_product(block, p.shape[0], p[0].numel())
+        got = torch.kron(factors[0], factors[1])
+        torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("backend", [DiffFuncGGN, DiffBackPackGGN])
+@pytest.mark.parametrize("backend", [DiffFuncGGN])
 def test_kron_refusal_names_the_module_and_a_structure_that_works(backend):
     model = _prelu_mlp()
     with pytest.raises(UnsupportedModuleError, match="PReLU") as info:
