@@ -321,7 +321,9 @@ class DiffFuncGGN(GGNInterface):
             If ``x`` is not a valid batch.
         UnsupportedModuleError
             If a trainable parameter belongs to a module other than ``nn.Linear``
-            or ``nn.Conv2d``, or if subnetwork indices are set.
+            or ``nn.Conv2d`` (the message sends to ``'diag'``/``'full'`` with this
+            backend and to ``DiffBackPackGGN`` for ``'kron'``), or if subnetwork
+            indices are set.
 
         """
         if self.subnetwork_indices is not None:
