@@ -72,16 +72,19 @@ def _trainable(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-_REFERENCES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+@pytest.fixture(scope="module")
+def references() -> Callable[[str], tuple[torch.Tensor, torch.Tensor]]:
+    """The loop's detached ``(J, f)`` by model name, each computed once here."""
+    computed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def reference(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if name not in computed:
+            model = MODELS[name]()
+            J, f = loop_jacobians(model, _inputs(name), _trainable(model))
+            computed[name] = (J.detach(), f.detach())
+        return computed[name]
 
-def _reference(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loop's detached ``(J, f)``, computed once per model for this module."""
-    if name not in _REFERENCES:
-        model = MODELS[name]()
-        J, f = loop_jacobians(model, _inputs(name), _trainable(model))
-        _REFERENCES[name] = (J.detach(), f.detach())
-    return _REFERENCES[name]
+    return reference
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -135,11 +138,11 @@ def test_each_model_takes_the_expected_route(name, route_log):
 
 
 @models
-def test_jacobians_equal_the_loop(name):
+def test_jacobians_equal_the_loop(name, references):
     model, x = MODELS[name](), _inputs(name)
     backend = DiffFuncGGN(model, "classification")
     J, f = backend.jacobians(x)
-    J_ref, f_ref = _reference(name)
+    J_ref, f_ref = references(name)
     assert not J.requires_grad and not f.requires_grad
     _close(J, J_ref)
     _close(f, f_ref)
@@ -150,12 +153,12 @@ def test_jacobians_equal_the_loop(name):
 
 @models
 @pytest.mark.parametrize("structure", ["full", "diag"])
-def test_ggn_equals_the_loop(name, structure):
+def test_ggn_equals_the_loop(name, structure, references):
     """``Σ_b J_bᵀ Λ_b J_b`` with ``Λ = diag(p) - ppᵀ``, and the summed loss."""
     model, x = MODELS[name](), _inputs(name)
     y = zoo_models.labels(BATCH, CLASSES)
     loss, H = getattr(DiffFuncGGN(model, "classification"), structure)(x, y)
-    J, f = _reference(name)
+    J, f = references(name)
     p = f.softmax(-1)
     lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
     if structure == "full":
@@ -167,11 +170,11 @@ def test_ggn_equals_the_loop(name, structure):
 
 
 @models
-def test_per_sample_gradients_equal_the_loop(name):
+def test_per_sample_gradients_equal_the_loop(name, references):
     model, x = MODELS[name](), _inputs(name)
     y = zoo_models.labels(BATCH, CLASSES)
     G, loss = DiffFuncGGN(model, "classification").gradients(x, y)
-    J, f = _reference(name)
+    J, f = references(name)
     residual = f.softmax(-1) - nn.functional.one_hot(y, CLASSES).to(f.dtype)
     _close(G, torch.einsum("bc,bcp->bp", residual, J))
     _close(loss, nn.functional.cross_entropy(f, y, reduction="sum"))
