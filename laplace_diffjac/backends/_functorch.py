@@ -4,12 +4,16 @@ Jacobians are per-sample ``vmap(jacrev(functional_call))``, so the cost grows
 linearly with the batch (whole-batch ``jacrev`` grows quadratically); models with
 recurrent layers or cells (``nn.RNN``/``nn.LSTM``/``nn.GRU``, whose fused kernels
 ``vmap`` cannot batch, and ``nn.RNNCell``/``LSTMCell``/``GRUCell``) take
-``jacrev`` sample by sample instead. Normalisations and ``nn.PReLU`` run in
-elementary operations (``jacobians/_elementary.py``: PyTorch's derivatives of
-their fused kernels are wrong under these transforms). Works for any
-model ``torch.func`` can trace (LayerNorm, attention, custom functions) and for
-dict-like inputs. ``torch.func`` never touches ``.grad``, registers no hooks and
-stores nothing on the model.
+``jacrev`` sample by sample instead, and so do models ``vmap`` cannot trace
+(``.item()`` or data-dependent control flow in the forward pass, as in Hugging
+Face's attention masks of BERT and of GPT-2's default ``sdpa`` attention), found
+by running the first sample's forward pass under ``vmap`` (``_functorch_routes``).
+Normalisations and ``nn.PReLU`` run in elementary operations
+(``jacobians/_elementary.py``: PyTorch's derivatives of their fused kernels are
+wrong under these transforms). Works for any model ``torch.func``'s ``jacrev``
+can trace (LayerNorm, attention, custom functions) and for dict-like inputs.
+``torch.func`` never touches ``.grad``, registers no hooks and stores nothing on
+the model.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from laplace.curvature import GGNInterface
 from laplace.utils import Kron
 from torch import nn
-from torch.func import functional_call, grad, jacrev, vmap
+from torch.func import functional_call, grad, jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidInputError, UnsupportedModuleError
@@ -32,19 +36,25 @@ from ..jacobians._inputs import (
 )
 from ..jacobians._last_layer import last_layer_jacobians
 from ..jacobians._model_guard import preserved_state
+from ._functorch_routes import map_over_samples
 from ._functorch_support import (
     check_functorch_support,
     quiet_batching_fallbacks,
     refused_packed_sequences,
-    runs_sample_by_sample,
-    sample_loop,
-    without_onednn,
 )
 from ._kfac import check_kfac_support, kfac_factors
 
 
 class DiffFuncGGN(GGNInterface):
     """GGN backend on ``torch.func`` with graph-connected, side-effect-free methods.
+
+    Per-sample Jacobians and gradients are ``vmap`` over samples of ``jacrev`` of
+    ``functional_call``. Where ``vmap`` cannot trace the model (its forward pass
+    on the first sample raises: ``.item()`` or data-dependent control flow, as in
+    Hugging Face ``transformers``' attention masks) and for recurrent layers and
+    cells, every method runs the samples one by one instead, each as a batch of
+    one: the same results, graph-connected as well, without a warning, slower by
+    the Python overhead of one call per sample.
 
     Parameters
     ----------
@@ -185,7 +195,9 @@ class DiffFuncGGN(GGNInterface):
         """``vmap(fn)`` over the samples of ``x`` (and ``per_sample``), or a loop.
 
         Runs inside everything the transforms need: the model's state kept, the
-        elementary forms of norms and PReLU, the composite attention kernel.
+        elementary forms of norms and PReLU, the composite attention kernel. The
+        route (``vmap``, or a loop where ``vmap`` cannot trace the model) is
+        ``_functorch_routes.map_over_samples``'s.
 
         Returns
         -------
@@ -195,7 +207,6 @@ class DiffFuncGGN(GGNInterface):
             Its second results, stacked.
 
         """
-        in_dims = (None, 0, None if per_sample is None else 0)
         # functional_call rebinds RNN modules' flat-weight lists: put them back.
         with (
             preserved_state(self.model),
@@ -205,10 +216,10 @@ class DiffFuncGGN(GGNInterface):
             quiet_batching_fallbacks(),
             refused_packed_sequences(self.model),
         ):
-            if runs_sample_by_sample(self.model):
-                with without_onednn():
-                    return sample_loop(fn, params, x, per_sample, batch)
-            return vmap(fn, in_dims=in_dims)(params, x, per_sample)
+            forward = self._per_sample_outputs(x, params)
+            return map_over_samples(
+                fn, forward, params, x, per_sample, batch, self.model
+            )
 
     def gradients(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample gradients of the sum-reduced loss, on the same transforms.
@@ -310,7 +321,9 @@ class DiffFuncGGN(GGNInterface):
             If ``x`` is not a valid batch.
         UnsupportedModuleError
             If a trainable parameter belongs to a module other than ``nn.Linear``
-            or ``nn.Conv2d``, or if subnetwork indices are set.
+            or ``nn.Conv2d`` (the message sends to ``'diag'``/``'full'`` with this
+            backend and to ``DiffBackPackGGN`` for ``'kron'``), or if subnetwork
+            indices are set.
 
         """
         if self.subnetwork_indices is not None:

@@ -40,7 +40,9 @@ def check_kfac_support(model: nn.Module, params: Sequence[torch.Tensor]) -> None
     Raises
     ------
     UnsupportedModuleError
-        Naming the modules curvlinops' KFAC cannot factorise.
+        Naming the modules curvlinops' KFAC cannot factorise and the routes that
+        work: ``'diag'``/``'full'`` with ``DiffFuncGGN``, ``'kron'`` with
+        ``DiffBackPackGGN``.
 
     """
     others = kfac_refusals(model, params)
@@ -48,17 +50,19 @@ def check_kfac_support(model: nn.Module, params: Sequence[torch.Tensor]) -> None
         raise UnsupportedModuleError(
             "Kronecker factors (curvlinops KFAC) exist for nn.Linear and nn.Conv2d "
             f"(groups=1, zero padding) parameters only; {others} own trainable "
-            "parameters. Freeze them (requires_grad=False) or use "
-            f"hessian_structure='diag' or 'full'{_diag_full_route(model)}."
+            f"parameters. Freeze them (requires_grad=False), or{_fixes_first(model)} "
+            "use hessian_structure='diag' or 'full' with this backend, or "
+            "laplace_diffjac.DiffBackPackGGN for hessian_structure='kron' (built "
+            "from its engine's per-layer factors, which cover these modules)."
         )
 
 
-def _diag_full_route(model: nn.Module) -> str:
-    """Where ``'diag'``/``'full'`` work: with ``DiffFuncGGN``, unless it refuses."""
+def _fixes_first(model: nn.Module) -> str:
+    """What every backend needs fixed first (dropout, batch norm in training)."""
     refused = functorch_refusals(model)
     if not refused:
-        return " with this backend"
-    return f" after fixing {', '.join(refused)}"
+        return ""
+    return f" after fixing {', '.join(refused)},"
 
 
 def kfac_factors(
