@@ -242,13 +242,19 @@ def _estimator_classes() -> list[type]:
     return [cls for cls in found if cls is not BaseLaplace and "fit" in vars(cls)]
 
 
-def distributed_fit_patches(uses_ours: BackendTest) -> list[AttributePatch]:
+def distributed_fit_patches(
+    uses_ours: BackendTest, inner: Callable[[type, Callable], Callable] | None = None
+) -> list[AttributePatch]:
     """Patches of every laplace-torch estimator's own ``fit``.
 
     Parameters
     ----------
     uses_ours : callable
         ``uses_ours(estimator)``: whether the estimator's backend is one of ours.
+    inner : callable, optional
+        ``inner(cls, fit)``: a wrapper of laplace-torch's own ``fit`` of ``cls``,
+        applied inside the distributed one (the adapter's other changes to
+        ``fit``).
 
     Returns
     -------
@@ -262,6 +268,8 @@ def distributed_fit_patches(uses_ours: BackendTest) -> list[AttributePatch]:
     patches = []
     for cls in _estimator_classes():
         original = vars(cls)["fit"]
+        if inner is not None:
+            original = inner(cls, original)
         if cls is ParametricLaplace:
             wrapped = _data_pass(original, uses_ours)
         elif issubclass(cls, ParametricLaplace) and not issubclass(

@@ -25,10 +25,9 @@ laplace-torch restricts backends in three ways that matter here:
 exists) and :func:`unregister` puts the originals back. Everything else is left
 as laplace-torch has it, on purpose:
 
-* the checks that refuse dict-like inputs for BackPACK backends (by class name in
-  ``fit``) also apply to ``DiffBackPackGGN``/``DiffBackPackEF``, which take tensor
-  batches only (they raise :class:`~laplace_diffjac.errors.InvalidInputError`, a
-  ``ValueError``, themselves); ``DiffFuncGGN`` takes dict-like inputs;
+* ``ParametricLaplace.fit`` refuses dict-like batches for backends named
+  "backpack"; ``DiffBackPackGGN``/``DiffBackPackEF`` take them, so for those
+  ``fit`` runs past that check (:mod:`._dict_batches`);
 * the refusal of frozen parameters is kept for laplace-torch's own BackPACK and
   ASDL backends;
 * ``FunctionalLaplace`` stays a GGN method: ``DiffBackPackEF`` is rejected there
@@ -42,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from laplace import baselaplace
-from laplace.baselaplace import BaseLaplace, FunctionalLaplace
+from laplace.baselaplace import BaseLaplace, FunctionalLaplace, ParametricLaplace
 
 from ..backends import (
     DiffBackPackEF,
@@ -51,6 +50,7 @@ from ..backends import (
     upstream_stand_in,
 )
 from ._backend_args import wrap_init
+from ._dict_batches import dict_batch_fit
 from ._distributed_fit import distributed_fit_patches
 from ._distributed_tuning import tuning_patches
 from ._factory import factory_patches
@@ -156,9 +156,16 @@ def _make_patches() -> list[AttributePatch]:
     patches.extend(factory_patches())
     # Under torch.distributed: fit over the ranks' shards (or refuse), grid search
     # over validation shards, marglik_training refused.
-    patches.extend(distributed_fit_patches(_uses_ours))
+    # Dict-like batches for the DiffBackPack backends, past laplace-torch's
+    # class-name check in ParametricLaplace.fit.
+    patches.extend(distributed_fit_patches(_uses_ours, _dict_batches))
     patches.extend(tuning_patches(_uses_ours, _backend_is_ours))
     return patches
+
+
+def _dict_batches(owner: type, fit: Any) -> Any:
+    """``ParametricLaplace.fit`` lets dict-like batches reach our backends."""
+    return dict_batch_fit(fit) if owner is ParametricLaplace else fit
 
 
 def _uses_ours(estimator: Any) -> bool:
