@@ -19,6 +19,7 @@ from curvlinops import KFACLinearOperator
 from curvlinops.kfac import FisherType
 from laplace.curvature import BackPackEF, BackPackGGN
 from torch import nn
+from torch.nn import functional as F
 
 from laplace_diffjac import DiffFuncGGN
 from tests import curvature_references as ref
@@ -137,6 +138,54 @@ def test_kfac_equals_curvlinops_on_token_linears(name, approx):
     got = ref.kfac_factors(model, [(x, y)], case.likelihood, params, approx)
     assert sorted(got) == list(range(len(params)))
     ref.assert_kron_close([got[i] for i in range(len(params))], expected, RTOL)
+
+
+class _TokenNet(nn.Module):
+    """Embedding -> HF Conv1D -> tanh -> mean over tokens -> Linear; or its twin.
+
+    The twin computes the same function with ``nn.Linear`` layers only (one-hot
+    inputs into a bias-free Linear for the embedding, the transposed Conv1D
+    weight), which curvlinops factorises.
+    """
+
+    def __init__(self, twin: bool = False) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.twin = twin
+        self.emb = nn.Embedding(7, 4)
+        self.proj = Conv1D(5, 4)  # weight (in=4, out=5)
+        nn.init.normal_(self.proj.weight)
+        nn.init.normal_(self.proj.bias)
+        self.head = nn.Linear(5, 3)
+        if twin:
+            emb, proj = self.emb, self.proj
+            self.emb = nn.Linear(7, 4, bias=False)
+            self.proj = nn.Linear(4, 5)
+            with torch.no_grad():
+                self.emb.weight.copy_(emb.weight.T)
+                self.proj.weight.copy_(proj.weight.T)
+                self.proj.bias.copy_(proj.bias)
+        self.double()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tokens = F.one_hot(ids, 7).double() if self.twin else ids
+        return self.head(torch.tanh(self.proj(self.emb(tokens))).mean(1))
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_embedding_and_conv1d_rules_equal_curvlinops_on_linear_twins(approx):
+    """Embedding and Conv1D factors equal curvlinops' on the Linear twin (swapped:
+    their weights are the twin's transposed, so are the factors' roles)."""
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, 7, (4, 6), generator=gen), zoo.labels(4, 3)
+    model, twin = _TokenNet(), _TokenNet(twin=True)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    expected = _curvlinops_kron(twin, loss, list(twin.parameters()), x, y, approx)
+    expected = [b[::-1] for b in expected[:2]] + expected[2:]  # emb, proj weights
+    got = ref.kron_reference(model, [(x, y)], "classification", kfac_approx=approx)
+    ref.assert_kron_close(got, expected, RTOL)
 
 
 @likelihoods
