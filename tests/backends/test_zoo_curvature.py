@@ -16,7 +16,10 @@ MobileNetV3-small, from ``tests/zoo_models.py``, against the references of
   block for normalisation parameters and ViT's class and position embeddings, the
   nearest Kronecker product of the exact block for depthwise convolutions;
 * ``DiffBackPackEF.diag`` = ``factor * sum_b g_b**2`` of per-sample loss gradients,
-  ``DiffBackPackEF.full`` = ``factor * sum_b g_b g_b^T``.
+  ``DiffBackPackEF.full`` = ``factor * sum_b g_b g_b^T``;
+* ``DiffFuncGGN.diag`` = the exact GGN diagonal where ``vmap`` runs the model
+  (eager GPT-2, ViT, ResNet, MobileNetV3; not sdpa GPT-2, BERT or LoRA, whose
+  forwards branch on data).
 
 Every call must leave the model as it was. The torchvision cases are slow (a
 4.9-million-parameter ResNet: references per parameter, never ``P x P``).
@@ -30,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN
+from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from tests import curvature_references as ref
 from tests import zoo_models as zoo
 from tests.references import (
@@ -58,6 +61,14 @@ KRON_VARIANTS: dict[str, tuple[dict, dict, ref.KFACApprox]] = {
     "reduce-constructor": ({"kfac_approx": "reduce"}, {}, "reduce"),
     "reduce-call": ({}, {"kfac_approx": "reduce"}, "reduce"),
 }
+#: Where DiffFuncGGN's vmap runs the model.
+FUNC_CASES = [
+    *[pytest.param(CASES[n], id=n) for n in ("gpt2-eager", "vit")],
+    *[
+        pytest.param(CASES[n], id=n, marks=pytest.mark.slow)
+        for n in ("resnet", "mobilenet")
+    ],
+]
 KRON_CASES = [
     *[
         pytest.param(case, variant, id=f"{case.name}-{variant}")
@@ -205,4 +216,12 @@ def test_ef_full_equals_per_sample_gradients(case, references):
     model, (x, y) = case.model(), case.batch()
     loss, H = DiffBackPackEF(model, case.likelihood).full(x, y)
     _close(H, references.get(case.name, "ef_full"), "EF")
+    _close(loss, references.get(case.name, "loss"), "loss")
+
+
+@pytest.mark.parametrize("case", FUNC_CASES)
+def test_diff_func_ggn_diag_equals_exact_ggn_diagonal(case, references):
+    model, (x, y) = case.model(), case.batch()
+    loss, diag = DiffFuncGGN(model, case.likelihood).diag(x, y)
+    _close(diag, references.get(case.name, "diag"), "GGN diagonal")
     _close(loss, references.get(case.name, "loss"), "loss")
