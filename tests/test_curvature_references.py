@@ -26,6 +26,7 @@ from tests import curvature_references as ref
 from tests import zoo_models as zoo
 from tests.conftest import CASES
 from tests.laplace_integration.helpers import upstream_quiet
+from tests.references import reference_forward
 
 RTOL = 1e-10
 LIKELIHOODS = ["classification", "regression"]
@@ -95,8 +96,8 @@ def _linear_params(model: nn.Module) -> list[torch.Tensor]:
     ]
 
 
-def _curvlinops_kron(model, loss, params, x, y, approx) -> list[list[torch.Tensor]]:
-    """curvlinops' KFAC factors in laplace-torch 0.3's ``CurvlinopsGGN`` layout."""
+def _curvlinops_state(model, loss, params, x, y, approx) -> dict:
+    """curvlinops' ``KFACLinearOperator`` (TYPE2, separate bias) ``state_dict``."""
     extra = {}
     if not isinstance(x, torch.Tensor):
         extra["batch_size_fn"] = ref.batch_size
@@ -112,7 +113,12 @@ def _curvlinops_kron(model, loss, params, x, y, approx) -> list[list[torch.Tenso
         **extra,
     )
     linop.compute_kronecker_factors()
-    state = linop.state_dict()
+    return linop.state_dict()
+
+
+def _curvlinops_kron(model, loss, params, x, y, approx) -> list[list[torch.Tensor]]:
+    """curvlinops' KFAC factors in laplace-torch 0.3's ``CurvlinopsGGN`` layout."""
+    state = _curvlinops_state(model, loss, params, x, y, approx)
     blocks: dict[int, list[torch.Tensor]] = {}
     for name, roles in KFACLinearOperator.compute_parameter_mapping(
         params, model
@@ -197,6 +203,56 @@ def test_kfac_equals_backpack_kflr(make_model, input_shape, likelihood):
         loss, kron = BackPackGGN(copy.deepcopy(model), likelihood).kron(x, y, N=5)
     expected = ref.kron_reference(model, [(x, y)], likelihood)
     ref.assert_kron_close(kron.kfacs, expected, RTOL)
+
+
+def _output_positions(model: nn.Module, x, convs) -> dict[nn.Module, int]:
+    """Number of output positions of each convolution for one sample."""
+    sizes: dict[nn.Module, int] = {}
+    handles = [
+        c.register_forward_hook(
+            lambda m, args, out: sizes.__setitem__(m, out[0, 0].numel())
+        )
+        for c in convs
+    ]
+    try:
+        with torch.no_grad():
+            model(x[:1])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sizes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", zoo.TORCHVISION_CASES, ids=lambda c: c.name)
+def test_conv_kflr_equals_curvlinops_on_torchvision(case):
+    """ResNet and MobileNetV3 (in-place ReLU, ``out += identity``, SE blocks).
+
+    BackPACK's KFLR ``G`` is curvlinops' KFAC-reduce gradient covariance, its ``A``
+    curvlinops' KFAC-expand input covariance times the number of output positions.
+    Both run Hardsigmoid as ``relu6(x + 3) / 6``: PyTorch's float64 kernel
+    differentiates with float32's 1/6, which moves curvlinops' factors by 7e-8.
+    """
+    model, (x, y) = case.model(), case.batch()
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups == 1]
+    params = [p for conv in convs for p in conv.parameters()]
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    with reference_forward(model):
+        states = {
+            approx: _curvlinops_state(model, loss, params, x, y, approx)
+            for approx in ("expand", "reduce")
+        }
+    positions = _output_positions(model, x, convs)
+    got = ref.kfac_factors(model, [(x, y)], case.likelihood, params)
+    mapping = KFACLinearOperator.compute_parameter_mapping(params, model)
+    for name, roles in mapping.items():
+        G = states["reduce"]["gradient_covariances"][name]
+        A = states["expand"]["input_covariances"][name]
+        A = A * positions[model.get_submodule(name)]
+        for role, index in roles.items():
+            expected = [G] if role == "bias" else [G, A]
+            for a, e in zip(got[index], expected):
+                torch.testing.assert_close(a, e, rtol=RTOL, atol=RTOL * e.abs().max())
 
 
 def test_kfac_sums_batches_as_curvlinops_does():
