@@ -56,8 +56,20 @@ def loop_jacobians(
     differentiable with respect to ``x`` and the parameters. No ``vmap``.
     """
     chosen = list(model.parameters()) if params is None else list(params)
-    with _composite_attention(), _exact_hardsigmoid(model):
+    with reference_forward(model):
         return _autograd_loop(model, x, chosen)
+
+
+@contextmanager
+def reference_forward(model: nn.Module):
+    """The forward every loop reference runs: composite attention, exact Hardsigmoid.
+
+    Attention by its math kernels (no fused fast path) and ``nn.Hardsigmoid`` as
+    ``relu6(x + 3) / 6`` (see :func:`_exact_hardsigmoid`), for the duration of the
+    block; what :func:`loop_jacobians` differentiates.
+    """
+    with _composite_attention(), _exact_hardsigmoid(model):
+        yield
 
 
 def central_difference(

@@ -5,12 +5,16 @@ Hugging Face ``transformers`` (GPT-2, BERT, ViT), ``peft``'s LoRA on GPT-2's
 (``BasicBlock``, one block per stage) and MobileNetV3-small. Random weights, float64,
 eval mode; BatchNorm running statistics randomised so that they matter. Text models
 are wrapped as laplace-torch's example wraps GPT-2: ``forward`` takes one dict-like
-batch (a ``BatchEncoding``) and returns the logits ``(batch, classes)``.
+batch (a ``BatchEncoding``) and returns the logits ``(batch, classes)``. The cases
+the zoo's tests share (model, batch, likelihood) are :data:`HF_CASES` and
+:data:`TORCHVISION_CASES`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -124,7 +128,8 @@ def gpt2_lora(num_labels: int = 2, *, seed: int = 0) -> nn.Module:
     """GPT-2 with peft's LoRA on ``c_attn`` (r = 2), laplace-torch's example setup.
 
     ``init_lora_weights=False`` draws both LoRA factors at random (peft's default
-    zero ``B`` would make every Jacobian of ``A`` vanish).
+    zero ``B`` would make every Jacobian of ``A`` vanish); ``fan_in_fan_out=True`` is
+    what peft sets for ``Conv1D`` anyway, without its warning.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -136,6 +141,7 @@ def gpt2_lora(num_labels: int = 2, *, seed: int = 0) -> nn.Module:
         lora_dropout=0.1,
         bias="none",
         init_lora_weights=False,
+        fan_in_fan_out=True,  # GPT-2's Conv1D stores (in, out); peft warns otherwise
     )
     torch.manual_seed(seed + 2)
     return _finish(get_peft_model(base, config), seed)
@@ -183,3 +189,63 @@ def labels(batch: int, classes: int = 2, *, seed: int = 0) -> torch.Tensor:
     """Class labels ``(batch,)``."""
     gen = torch.Generator().manual_seed(seed + 3)
     return torch.randint(0, classes, (batch,), generator=gen)
+
+
+def targets(likelihood: str, batch: int, outputs: int, *, seed: int = 0):
+    """Class labels ``(batch,)`` or regression targets ``(batch, outputs)``."""
+    if likelihood == "classification":
+        return labels(batch, outputs, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 4)
+    return torch.randn(batch, outputs, dtype=torch.float64, generator=gen)
+
+
+@dataclass(frozen=True)
+class ZooCase:
+    """A zoo model, its batch and likelihood: the cases every zoo test shares.
+
+    Attributes
+    ----------
+    name : str
+        Test id.
+    build : callable
+        Returns a fresh seeded float64 model in eval mode.
+    inputs : callable
+        Returns the input batch: a padded ``BatchEncoding`` or pixels.
+    outputs : int
+        Classes (or regression outputs).
+    likelihood : str
+        ``'classification'`` or ``'regression'``.
+
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[], Any]
+    outputs: int = 2
+    likelihood: str = "classification"
+
+    def model(self) -> nn.Module:
+        return self.build()
+
+    def batch(self) -> tuple[Any, torch.Tensor]:
+        x = self.inputs()
+        n = len(x["input_ids"]) if isinstance(x, Mapping) else len(x)
+        return x, targets(self.likelihood, n, self.outputs)
+
+
+#: Hugging Face models (with LoRA) on padded ``BatchEncoding`` batches and ViT.
+HF_CASES = [
+    ZooCase("gpt2-sdpa", gpt2, text_batch),
+    ZooCase("gpt2-eager", lambda: gpt2(attention="eager"), text_batch),
+    ZooCase("bert", bert, text_batch),
+    ZooCase("vit", vit, lambda: image_batch(3, 8)),
+    ZooCase("gpt2-lora", gpt2_lora, text_batch),
+    ZooCase("bert-regression", bert, text_batch, likelihood="regression"),
+]
+
+#: torchvision's ResNet (3×32×32) and MobileNetV3-small (3×64×64, so that its last
+#: depthwise convolutions still see 2×2 maps), two samples, three classes.
+TORCHVISION_CASES = [
+    ZooCase("resnet", lambda: resnet(3), lambda: image_batch(2, 32), outputs=3),
+    ZooCase("mobilenet", lambda: mobilenet(3), lambda: image_batch(2, 64), outputs=3),
+]
