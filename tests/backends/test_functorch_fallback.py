@@ -31,7 +31,6 @@ from torch.utils.data import DataLoader, default_collate
 
 import laplace_diffjac.backends._functorch_routes as routes
 from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN, UnsupportedModuleError
-from laplace_diffjac.errors import InvalidInputError
 from tests import zoo_models
 from tests.references import (
     assert_same_state,
@@ -405,12 +404,6 @@ def test_kron_refusal_names_diag_full_here_and_diffbackpackggn(name):
     DiffFuncGGN(model, "classification").diag(x, y)  # the route it names works
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(InvalidInputError, UnsupportedModuleError),
-    reason="DiffBackPackGGN's 'kron' for any module structure and dict inputs comes "
-    "with the issue-29 curvature branch; remove this mark once it is merged",
-)
 @pytest.mark.parametrize("name", ["bert", "vit"])
 def test_diffbackpackggn_kron_takes_what_difffuncggn_kron_refuses(name):
     model, x = MODELS[name](), _inputs(name)
