@@ -1,8 +1,9 @@
-"""Closed-form per-sample Jacobian factors of ``nn.Conv1d``/``nn.Conv2d`` (groups 1).
+"""Closed-form per-sample Jacobian factors of ``nn.Conv1d``/``2d``/``3d`` (groups 1).
 
 A convolution is a Linear layer applied at every output position to the unfolded
 input patches, so its factors are :class:`.Product` factors of the signals and
-the patches. Padding modes other than zeros are applied to the input first, as
+the patches (``torch.nn.functional.unfold`` in 1-D and 2-D, BackPACK's dependency
+``unfoldNd`` in 3-D). Padding modes other than zeros are applied to the input first, as
 the module's own forward does; BackPACK's derivatives (used for the other
 convolutions) assume zero padding, so those are refused with another mode.
 """
@@ -13,6 +14,7 @@ from typing import Union, cast
 
 import torch
 from torch import nn
+from unfoldNd import unfoldNd
 
 from ._assembly import Factors, Product, Summed
 from ._layer_calls import LayerCall
@@ -40,9 +42,9 @@ PADDED_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def has_closed_form_conv(module: nn.Module) -> bool:
-    """Conv1d/Conv2d with groups 1: zero padding given as sizes, or any other mode."""
+    """Conv1d/2d/3d with groups 1: zero padding given as sizes, or any other mode."""
     return bool(
-        type(module) in (nn.Conv1d, nn.Conv2d)
+        type(module) in PADDED_CONVS
         and module.groups == 1
         and (module.padding_mode != "zeros" or not isinstance(module.padding, str))
     )
@@ -51,7 +53,7 @@ def has_closed_form_conv(module: nn.Module) -> bool:
 def conv_factors(
     call: LayerCall, grad: torch.Tensor, wanted: set[int]
 ) -> list[tuple[int, Factors]]:
-    """Closed-form ``nn.Conv1d``/``nn.Conv2d`` factors (groups 1, zero padding).
+    """Closed-form ``nn.Conv1d``/``2d``/``3d`` factors (groups 1).
 
     A convolution is a Linear layer applied at every output position to the
     unfolded input patches ``(batch, C_in·∏kernel, L)``, so its factors are those
@@ -64,7 +66,7 @@ def conv_factors(
         As for :func:`_linear_factors`, with the unfolded patches as inputs.
 
     """
-    module = cast(Union[nn.Conv1d, nn.Conv2d], call.module)
+    module = cast(Union[nn.Conv1d, nn.Conv2d, nn.Conv3d], call.module)
     n_rows, batch = grad.shape[0], grad.shape[1]
     g = grad.reshape(n_rows, batch, module.out_channels, -1)  # (V, B, out, L)
     blocks: list[tuple[int, Factors]] = []
@@ -77,7 +79,10 @@ def conv_factors(
             geometry["padding"] = (0,) * len(geometry["kernel_size"])
         if isinstance(module, nn.Conv1d):
             x = x.unsqueeze(2)  # (B, C_in, 1, L_in)
-        patches = torch.nn.functional.unfold(x, **geometry)  # (B, C_in·k, L)
+        if isinstance(module, nn.Conv3d):
+            patches = unfoldNd(x, **geometry)  # (B, C_in·k, L)
+        else:
+            patches = torch.nn.functional.unfold(x, **geometry)
         blocks.append(
             (id(module.weight), Product(batch_first(g), patches.transpose(1, 2)))
         )
@@ -86,8 +91,10 @@ def conv_factors(
     return blocks
 
 
-def _conv_geometry(module: nn.Conv1d | nn.Conv2d) -> dict[str, tuple[int, ...]]:
-    """Kernel size, dilation, padding and stride for ``unfold`` (2-D)."""
+def _conv_geometry(
+    module: nn.Conv1d | nn.Conv2d | nn.Conv3d,
+) -> dict[str, tuple[int, ...]]:
+    """Kernel size, dilation, padding and stride for ``unfold`` (2-D, or 3-D)."""
     names = ("kernel_size", "dilation", "padding", "stride")
     values = {n: cast(tuple[int, ...], getattr(module, n)) for n in names}
     if isinstance(module, nn.Conv1d):  # height 1: kernel 1, dilation 1, no padding

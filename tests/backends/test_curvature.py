@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from laplace.curvature import BackPackEF, BackPackGGN, CurvlinopsEF, CurvlinopsGGN
+from torch import nn
 
 from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from tests.backends.methods import kron_friendly_mlp
@@ -138,3 +139,38 @@ def test_upstream_returns_stale_diag_after_jacobians():
     except AttributeError:  # some versions fail instead of returning stale values
         return
     assert torch.equal(stale, first)
+
+
+CONVS = {
+    "Conv1d": (lambda: nn.Conv1d(2, 3, 2), (2, 5)),
+    "Conv2d": (lambda: nn.Conv2d(2, 3, 2, padding=1), (2, 3, 3)),
+    "Conv3d": (lambda: nn.Conv3d(2, 3, 2), (2, 3, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("method", ["diag", "kron"])
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+@pytest.mark.parametrize("conv", list(CONVS))
+def test_convolution_curvature_equals_upstream_backpack(conv, likelihood, method):
+    """BackPACK's KFLR/DiagGGNExact on 1-, 2- and 3-D convolutions, any dimension."""
+    make_conv, shape = CONVS[conv]
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        layer = make_conv()
+        with torch.no_grad():
+            width = layer(torch.zeros(1, *shape)).numel()
+        net = nn.Sequential(layer, nn.Flatten(), nn.Tanh(), nn.Linear(width, 3))
+        return net.double().eval()
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, *shape, dtype=torch.float64, generator=gen)
+    y = (
+        torch.randint(0, 3, (5,), generator=gen)
+        if likelihood == "classification"
+        else torch.randn(5, 3, dtype=torch.float64, generator=gen)
+    )
+    ours = _call(DiffBackPackGGN(model(), likelihood), method, x, y)
+    with upstream_quiet():
+        upstream = BackPackGGN(model(), likelihood)
+    _assert_equal(ours, _call_upstream(upstream, method, x, y))
