@@ -260,8 +260,10 @@ def _nearest_kronecker(parts: JacobianFactors, p: torch.Tensor) -> list[torch.Te
     positive semi-definite factors. ``R`` is formed where it is no larger than
     ``_DENSE_ELEMENTS`` (the size of the exact block) and decomposed exactly;
     otherwise the power method runs on ``R vec(A) = Σ_i ρ_i A ρ_iᵀ`` and
-    ``Rᵀ vec(G) = Σ_i ρ_iᵀ G ρ_i`` until the factors settle. ``F0 = σ Ĝ`` sums
-    over the batch, ``F1 = Â`` (unit Frobenius norm) does not grow with it.
+    ``Rᵀ vec(G) = Σ_i ρ_iᵀ G ρ_i`` until the factors settle. Both run in float64
+    on the rows scaled to a largest entry of one, whatever the model's dtype.
+    ``F0 = σ Ĝ`` sums over the batch, ``F1 = Â`` (unit Frobenius norm) does not
+    grow with it.
 
     Returns
     -------
@@ -271,15 +273,22 @@ def _nearest_kronecker(parts: JacobianFactors, p: torch.Tensor) -> list[torch.Te
     """
     m, n = _factor_sizes(p)
     rows = torch.cat([J.reshape(-1, m, n) for _, J in parameter_blocks(parts, p)])
+    # float64 and unit scale: float32 neither reaches the tolerance nor keeps the
+    # norms of tiny Jacobians (~1e-13) from underflowing
+    scale = rows.abs().max()
+    if scale == 0:
+        return [torch.zeros(k, k, dtype=rows.dtype, device=rows.device) for k in (m, n)]
+    unit = rows.double() / scale.double()
     if (m * n) ** 2 <= _DENSE_ELEMENTS:
-        R = torch.einsum("iab,icd->acbd", rows, rows).reshape(m * m, n * n)
+        R = torch.einsum("iab,icd->acbd", unit, unit).reshape(m * m, n * n)
         U, S, Vh = torch.linalg.svd(R, full_matrices=False)
         G, A, sigma = U[:, 0].reshape(m, m), Vh[0].reshape(n, n), S[0]
     else:
-        G, A, sigma = _power_method(rows)
+        G, A, sigma = _power_method(unit)
     if torch.trace(A) < 0:
         G, A = -G, -A
-    return [sigma * G, A]
+    sigma = sigma * scale.double() ** 2
+    return [(sigma * G).to(rows.dtype), A.to(rows.dtype)]
 
 
 def _power_method(

@@ -189,3 +189,31 @@ def test_unknown_kfac_setting_is_named():
     backend = DiffBackPackGGN(model, "classification")
     with pytest.raises(InvalidInputError, match="'expand' or 'reduce'"):
         backend.kron(x, _targets("classification", 3), N=3, kfac_approx="mean")
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-14])
+def test_nearest_kronecker_product_in_float32_and_at_tiny_scales(monkeypatch, scale):
+    """The power method in float32, with Jacobians of ~1e-13 (MobileNetV3's
+    depthwise convolutions): the float64 product, no NaN, no 1,000 iterations."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 4, 3, groups=4)  # depthwise: no KFAC rule
+    net = nn.Sequential(conv, nn.Flatten(), nn.Linear(16, 2)).double()
+    with torch.no_grad():
+        net[2].weight.mul_(scale)
+    x = torch.randn(5, 4, 4, 4, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+    H = _loop_ggn(net, x, "classification")
+    block = H[: conv.weight.numel(), : conv.weight.numel()]
+    expected = _nearest_kronecker_product(block, 4, 9)
+    monkeypatch.setattr(_kronecker, "_DENSE_ELEMENTS", 0)
+    calls = []
+    original = _kronecker._power_method
+    monkeypatch.setattr(
+        _kronecker, "_power_method", lambda rows: calls.append(1) or original(rows)
+    )
+    _, kron = DiffBackPackGGN(net.float(), "classification").kron(x.float(), y, N=5)
+    got = torch.kron(*kron.kfacs[0]).double()
+    assert calls and torch.isfinite(got).all()
+    torch.testing.assert_close(
+        got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max()
+    )
