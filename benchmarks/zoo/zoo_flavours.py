@@ -54,7 +54,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 from zoo_builders import build, data  # benchmarks/zoo/ is on sys.path
@@ -185,6 +185,7 @@ def _reset_peak() -> int:
 
 
 def _backend_class(name: str) -> type | None:
+    """The class passed as ``backend=`` (``None``: laplace-torch's default)."""
     if name == "default":
         return None
     if name == "BackPackGGN":
@@ -377,15 +378,22 @@ def environment(threads: int, command: list[str]) -> dict:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
+
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
     packages = ("laplace-torch", "transformers", "peft", "torchvision")
     return {
         "command": " ".join(["python", *command]),
         "commit": commit,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        **{p: version(p) for p in packages},
-        "curvlinops": version("curvlinops-for-pytorch"),
-        "backpack": version("backpack-for-pytorch"),
+        **{p: installed(p) for p in packages},
+        "curvlinops": installed("curvlinops-for-pytorch"),
+        "backpack": installed("backpack-for-pytorch"),
         "threads": threads,
         "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
