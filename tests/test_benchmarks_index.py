@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 INDEX = BENCHMARKS / "README.md"
-TOPICS = ["jacobians", "optimizer", "context_posterior", "scaling", "bayesopt"]
+TOPICS = ["jacobians", "optimizer", "context_posterior", "scaling", "bayesopt", "zoo"]
 
 #: Scripts no test runs, each with the reason.
 NOT_RUN = {
@@ -145,6 +145,7 @@ def test_each_topical_page_names_its_benchmark_folder():
         "posterior.md": "context_posterior",
         "scaling.md": "scaling",
         "bayesopt.md": "bayesopt",
+        "zoo.md": "zoo",
     }
     for page, topic in pages.items():
         text = (ROOT / "docs" / page).read_text()
