@@ -1,4 +1,9 @@
-"""Timing and resident-memory helpers for the benchmark workers."""
+"""Timing and memory helpers for the benchmark workers, on the CPU or a GPU.
+
+On a CUDA device every timed call ends with ``torch.cuda.synchronize`` (kernels
+run asynchronously) and peak memory is the CUDA caching allocator's high-water
+mark of allocated tensors; on the CPU it is the process's resident high-water mark.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Hashable
+
+import torch
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
@@ -113,3 +120,37 @@ def peak_rss_mib() -> float:
     if kib is None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return kib / 1024.0
+
+
+def synchronized(
+    fn: Callable[[], object], device: torch.device
+) -> Callable[[], object]:
+    """``fn`` that waits for the device's kernels before returning (CUDA)."""
+    if device.type != "cuda":
+        return fn
+
+    def run() -> object:
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return run
+
+
+def start_peak(device: torch.device) -> float:
+    """Reset the peak-memory mark of ``device``; the memory in use now, MiB."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    base = current_rss_mib()
+    reset_peak_rss()
+    return base
+
+
+def peak_mib(device: torch.device) -> float:
+    """Peak memory of ``device`` since :func:`start_peak`, MiB."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_rss_mib()
