@@ -154,3 +154,34 @@ def peak_mib(device: torch.device) -> float:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) / 2**20
     return peak_rss_mib()
+
+
+def counted_flops(fn: Callable[[], object]) -> int:
+    """Floating-point operations of ``fn()`` by ``torch.utils.flop_counter``.
+
+    The counter sees the matmul-like kernels only (mm, addmm, bmm, baddbmm,
+    convolutions and their backward, the attention kernels it has formulas for),
+    two operations per multiply-add, at the shapes they run with (einsum and
+    ``vmap`` counted as the bmm/mm they lower to); elementwise operations,
+    reductions, copies, scatters and kernels without a formula (e.g. CPU flash
+    attention) count zero.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def matmul_gflop_per_s(device: torch.device, size: int, reps: int = 5) -> float:
+    """The rate of a square float32 ``mm`` of ``size`` on ``device``, GFLOP/s.
+
+    The reference beside each route's achieved rate: what this machine's matmul
+    reaches in the same process, a practical ceiling for contraction-bound work.
+    """
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    seconds, _ = median_seconds(
+        synchronized(lambda: a @ b, device), budget_s=0.0, min_reps=reps, max_reps=reps
+    )
+    return 2 * size**3 / seconds / 1e9
