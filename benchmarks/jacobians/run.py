@@ -226,6 +226,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="workers at once (default 1; 2 with --quick, where timings are moot)",
     )
     parser.add_argument(
+        "--timing-jobs",
+        type=int,
+        default=None,
+        help="timing workers at once (default: as --jobs; 1 keeps them apart)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
@@ -257,6 +263,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for batch in pool.map(lambda s: run_worker(s, args.timeout), specs):
             _log(batch)
             results += batch
+    with ThreadPoolExecutor(max_workers=args.timing_jobs or jobs) as pool:
         pairs = [
             (s["config"], s["allocator"]) for s in specs if s["task"] == "jacobian"
         ]
