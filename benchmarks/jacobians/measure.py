@@ -181,6 +181,7 @@ def matmul_gflop_per_s(device: torch.device, size: int, reps: int = 5) -> float:
     """
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
+    synchronized(lambda: a @ b, device)()  # warm-up (library initialisation)
     seconds, _ = median_seconds(
         synchronized(lambda: a @ b, device), budget_s=0.0, min_reps=reps, max_reps=reps
     )

@@ -279,6 +279,13 @@ def run_case(
     return rows
 
 
+def _matmul_size(device: torch.device, quick: bool) -> int:
+    """A square matmul big enough to reach the device's rate (smaller if quick)."""
+    if device.type == "cuda":
+        return 1024 if quick else 8192
+    return 512 if quick else 2048
+
+
 def run(quick: bool = False, repeats: int = 3, device: str = "cpu") -> dict:
     """Time every route on every case in this process; seconds, ratios, FLOPs."""
     where = torch.device(device)
@@ -287,7 +294,7 @@ def run(quick: bool = False, repeats: int = 3, device: str = "cpu") -> dict:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "device": str(where),
-        "matmul_gflop_per_s": matmul_gflop_per_s(where, 512 if quick else 2048),
+        "matmul_gflop_per_s": matmul_gflop_per_s(where, _matmul_size(where, quick)),
         "cases": {},
     }
     if where.type == "cuda":
