@@ -57,7 +57,7 @@ class TokenTransformer(nn.Module):
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
         h = self.tokens(x) + self.positions(positions)
         return self.head(self.encoder(h).mean(1))
 

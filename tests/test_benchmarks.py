@@ -5,7 +5,9 @@ No timing is asserted: quick-mode timings are single cold runs.
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +55,8 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
     assert {r["method"] for r in results if r["task"] == "gram"} >= {"J", "structured"}
     text = out.read_text()
     assert "### Headline" in text and "### Targets" in text
-    assert "| config | P | obj. | lt_BackPackGGN |" in text
+    assert "| config | allocator | P | obj. | lt_BackPackGGN |" in text
+    assert {(r["allocator"], r["device"]) for r in results} == {("default", "cpu")}
     assert "| correct |" in text and "| NO |" not in text
     assert "laplace-torch" in text and "CPU:" in text
 
@@ -66,11 +69,7 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
 
 
 def test_timings_of_several_processes_combine_by_their_median() -> None:
-    sys.path.insert(0, str(HARNESS))
-    try:
-        from run import merge_timings
-    finally:
-        sys.path.remove(str(HARNESS))
+    merge_timings = _harness("run").merge_timings
     results = [
         {"config": "c", "task": "jacobian", "method": m, "ok": True} for m in ("a", "b")
     ]
@@ -89,3 +88,43 @@ def test_timings_of_several_processes_combine_by_their_median() -> None:
     assert a["t_full_per_process"] == [4.0, 5.0, 9.0]
     assert a["reps"] == 15 and a["timing_processes"] == 3
     assert not b["ok"] and "x" in b["error"]
+
+
+def _harness(module: str):
+    """A module of the harness (``benchmarks/jacobians``), imported by name."""
+    sys.path.insert(0, str(HARNESS))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(HARNESS))
+
+
+def test_each_allocator_setting_reaches_its_worker_processes() -> None:
+    """``thp`` through the environment the worker starts with, ``mmap-off`` inside
+    it; a worker started in the wrong environment refuses to measure."""
+    run, allocator = _harness("run"), _harness("allocator")
+    specs, _ = run.build_specs(True, ["DiffBackPackGGN"], None, ["thp", "mmap-off"])
+    assert [s["allocator"] for s in specs] == ["thp"] * 3 + ["mmap-off"] * 3
+    assert {s["device"] for s in specs} == {"cpu"}
+    base = {"THP_MEM_ALLOC_ENABLE": "1", "OTHER": "x"}
+    assert allocator.process_environment("default", base) == {"OTHER": "x"}
+    assert allocator.process_environment("mmap-off", base) == {"OTHER": "x"}
+    assert allocator.process_environment("thp", {})["THP_MEM_ALLOC_ENABLE"] == "1"
+    with pytest.raises(ValueError, match="one of"):
+        allocator.process_environment("jemalloc")
+    gram = [s for s in specs if s["task"] == "gram"]
+    for spec in gram:
+        (result,) = run.run_worker({**spec, "methods": ["structured"]}, 300)
+        assert result["ok"], result
+        assert result["allocator"] == spec["allocator"]
+        assert result["rel_err_K"] < 1e-4
+    wrong = {**gram[0], "methods": ["structured"]}
+    proc = subprocess.run(
+        [sys.executable, str(HARNESS / "worker.py"), json.dumps(wrong)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"},
+    )
+    assert proc.returncode != 0 and "THP_MEM_ALLOC_ENABLE=1" in proc.stderr

@@ -16,7 +16,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 INDEX = BENCHMARKS / "README.md"
-TOPICS = ["jacobians", "optimizer", "context_posterior", "scaling", "bayesopt", "zoo"]
+TOPICS = [
+    "jacobians",
+    "optimizer",
+    "context_posterior",
+    "scaling",
+    "bayesopt",
+    "zoo",
+    "gpu",
+]
 
 #: Scripts no test runs, each with the reason.
 NOT_RUN = {
@@ -139,15 +147,16 @@ def test_every_benchmark_path_the_docs_and_code_name_exists():
 
 
 def test_each_topical_page_names_its_benchmark_folder():
-    pages = {
-        "speed.md": "jacobians",
-        "locations.md": "optimizer",
-        "posterior.md": "context_posterior",
-        "scaling.md": "scaling",
-        "bayesopt.md": "bayesopt",
-        "zoo.md": "zoo",
-    }
-    for page, topic in pages.items():
+    pages = [
+        ("speed.md", "jacobians"),
+        ("speed.md", "gpu"),
+        ("locations.md", "optimizer"),
+        ("posterior.md", "context_posterior"),
+        ("scaling.md", "scaling"),
+        ("bayesopt.md", "bayesopt"),
+        ("zoo.md", "zoo"),
+    ]
+    for page, topic in pages:
         text = (ROOT / "docs" / page).read_text()
         assert f"`benchmarks/{topic}/`" in text, page
         assert "`benchmarks/README.md`" in text, page

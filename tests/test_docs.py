@@ -61,14 +61,21 @@ def test_patch_laplace_example_patches_only_inside_the_block():
 
 
 def _public_modules() -> list[ModuleType]:
-    """``laplace_diffjac`` and every subpackage without a leading underscore."""
+    """``laplace_diffjac``, every subpackage and every top-level module with an
+    ``__all__`` (``laplace_diffjac.memory``), none with a leading underscore."""
     modules = [laplace_diffjac]
     for info in pkgutil.walk_packages(
         laplace_diffjac.__path__, prefix="laplace_diffjac."
     ):
         parts = info.name.split(".")
-        if info.ispkg and not any(part.startswith("_") for part in parts):
+        if any(part.startswith("_") for part in parts):
+            continue
+        if info.ispkg:
             modules.append(importlib.import_module(info.name))
+        elif len(parts) == 2:
+            module = importlib.import_module(info.name)
+            if hasattr(module, "__all__"):
+                modules.append(module)
     return modules
 
 
@@ -99,9 +106,11 @@ def test_api_pages_document_every_public_name():
     pytest.importorskip("botorch")  # laplace_diffjac.bayesopt
     documented = _documented()
     modules = _public_modules()
-    assert {"laplace_diffjac.bayesopt", "laplace_diffjac.kernels"} <= {
-        m.__name__ for m in modules
-    }
+    assert {
+        "laplace_diffjac.bayesopt",
+        "laplace_diffjac.kernels",
+        "laplace_diffjac.memory",
+    } <= {m.__name__ for m in modules}
     for module in modules:
         for name in module.__all__:
             obj = getattr(module, name)

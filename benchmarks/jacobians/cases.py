@@ -109,6 +109,13 @@ class Config:
 Batch = Union[torch.Tensor, dict[str, torch.Tensor]]
 
 
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """``batch`` (a tensor, or a dict of token tensors) on ``device``."""
+    if isinstance(batch, dict):
+        return {k: v.to(device) for k, v in batch.items()}
+    return batch.to(device)
+
+
 class TokenTransformer(nn.Module):
     """Embedding, encoder layers, mean pool, Linear head; takes a token dict."""
 

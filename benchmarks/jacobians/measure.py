@@ -1,4 +1,9 @@
-"""Timing and resident-memory helpers for the benchmark workers."""
+"""Timing and memory helpers for the benchmark workers, on the CPU or a GPU.
+
+On a CUDA device every timed call ends with ``torch.cuda.synchronize`` (kernels
+run asynchronously) and peak memory is the CUDA caching allocator's high-water
+mark of allocated tensors; on the CPU it is the process's resident high-water mark.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Hashable
+
+import torch
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
@@ -113,3 +120,69 @@ def peak_rss_mib() -> float:
     if kib is None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return kib / 1024.0
+
+
+def synchronized(
+    fn: Callable[[], object], device: torch.device
+) -> Callable[[], object]:
+    """``fn`` that waits for the device's kernels before returning (CUDA)."""
+    if device.type != "cuda":
+        return fn
+
+    def run() -> object:
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return run
+
+
+def start_peak(device: torch.device) -> float:
+    """Reset the peak-memory mark of ``device``; the memory in use now, MiB."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    base = current_rss_mib()
+    reset_peak_rss()
+    return base
+
+
+def peak_mib(device: torch.device) -> float:
+    """Peak memory of ``device`` since :func:`start_peak`, MiB."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_rss_mib()
+
+
+def counted_flops(fn: Callable[[], object]) -> int:
+    """Floating-point operations of ``fn()`` by ``torch.utils.flop_counter``.
+
+    The counter sees the matmul-like kernels only (mm, addmm, bmm, baddbmm,
+    convolutions and their backward, the attention kernels it has formulas for),
+    two operations per multiply-add, at the shapes they run with (einsum and
+    ``vmap`` counted as the bmm/mm they lower to); elementwise operations,
+    reductions, copies, scatters and kernels without a formula (e.g. CPU flash
+    attention) count zero.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def matmul_gflop_per_s(device: torch.device, size: int, reps: int = 5) -> float:
+    """The rate of a square float32 ``mm`` of ``size`` on ``device``, GFLOP/s.
+
+    The reference beside each route's achieved rate: what this machine's matmul
+    reaches in the same process, a practical ceiling for contraction-bound work.
+    """
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    synchronized(lambda: a @ b, device)()  # warm-up (library initialisation)
+    seconds, _ = median_seconds(
+        synchronized(lambda: a @ b, device), budget_s=0.0, min_reps=reps, max_reps=reps
+    )
+    return 2 * size**3 / seconds / 1e9

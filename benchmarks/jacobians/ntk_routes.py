@@ -21,6 +21,21 @@ after one warm-up, seconds.
 Every route's Gram is compared with the factor route's (``max relative difference
 to factors``), so a fast wrong route shows.
 
+Beside each time, the work: ``gflop`` counted by ``torch.utils.flop_counter`` in
+one more, untimed step (matmul-like kernels only, forward and backward; see
+:func:`measure.counted_flops`), the rate it achieved, and that rate against a
+square float32 matmul timed in the same process (``matmul_gflop_per_s``, the
+practical ceiling). For the ``factors`` and ``jacobians`` routes also
+``model_gmac``: the multiply-adds of the Gram's contraction alone (forward, no
+engine passes) by the package's own cost model, the one that picks each
+parameter's route (``kernels/_factor_gram.py``: ``gram_multiply_adds``, and
+``jacobian_gram_multiply_adds``, writing ``J`` and ``J Jᵀ``).
+
+Each ``--allocator`` setting (``default``, ``thp``, ``mmap-off``; :mod:`allocator`)
+runs in a fresh process of its own, started in that setting's environment;
+``--device cuda`` puts models and inputs on the GPU. ``--markdown FILE`` writes the
+report (:mod:`ntk_report`); ``--report-from FILE.json`` renders it again.
+
 Run: ``python benchmarks/jacobians/ntk_routes.py [--quick] [--out FILE.json]`` (its
 recorded run: ``ntk_routes.json`` beside this script, read in ``NTK_ROUTES.md``).
 """
@@ -28,19 +43,34 @@ recorded run: ``ntk_routes.json`` beside this script, read in ``NTK_ROUTES.md``)
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
 
-import torch
-from torch import nn
-from torch.func import functional_call, jacrev, jvp, vjp, vmap
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [HERE, ROOT]  # the harness beside it, and this checkout's package
 
-from laplace_diffjac import DiffBackPackGGN
-from laplace_diffjac.kernels import ntk
+import torch  # noqa: E402
+from allocator import ALLOCATORS, applied, process_environment  # noqa: E402
+from measure import counted_flops, matmul_gflop_per_s, synchronized  # noqa: E402
+from ntk_report import render  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.func import functional_call, jacrev, jvp, vjp, vmap  # noqa: E402
+
+from laplace_diffjac import DiffBackPackGGN  # noqa: E402
+from laplace_diffjac.kernels import ntk  # noqa: E402
+from laplace_diffjac.kernels._factor_gram import (  # noqa: E402
+    gram_multiply_adds,
+    jacobian_gram_multiply_adds,
+)
 
 
 class ClassMLP(nn.Module):
@@ -85,7 +115,7 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(width, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        where = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        where = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
         return self.head(self.encoder(self.tokens(x) + self.positions(where)).mean(1))
 
 
@@ -103,7 +133,7 @@ def _func_jacobian_ntk(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _func_ntk_vector_products(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     params = {k: v for k, v in model.named_parameters()}
     n_out = model(x[:1]).shape[1]
-    basis = torch.eye(n_out, dtype=x.dtype)
+    basis = torch.eye(n_out, dtype=x.dtype, device=x.device)
 
     def one_pair(x1, x2):
         def f1(p):
@@ -149,7 +179,8 @@ def _routes(name: str, model: nn.Module) -> dict[str, Callable]:
     return routes
 
 
-def _cases(quick: bool) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+def _cases(quick: bool) -> dict[str, tuple[nn.Module, torch.Tensor, str]]:
+    """Each case's model, inputs and description."""
     torch.manual_seed(0)
     width, batch = (32, 16) if quick else (128, 64)
     chain = nn.Sequential(
@@ -162,73 +193,185 @@ def _cases(quick: bool) -> dict[str, tuple[nn.Module, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     cnn_batch, tokens = (8, 8) if quick else (128, 64)
     return {
-        "mlp": (ClassMLP(chain), torch.randn(batch, 20, generator=gen)),
-        "cnn": (SmallCNN(), torch.randn(cnn_batch, 1, 8, 8, generator=gen)),
+        "mlp": (
+            ClassMLP(chain),
+            torch.randn(batch, 20, generator=gen),
+            f"MLP 20-{width}-{width}-10 tanh (class)",
+        ),
+        "cnn": (
+            SmallCNN(),
+            torch.randn(cnn_batch, 1, 8, 8, generator=gen),
+            "CNN 1×8×8, conv 16/32, C=10",
+        ),
         "transformer": (
             TinyTransformer().eval(),
             torch.randint(0, 1000, (tokens, 16), generator=gen),
+            "transformer, vocabulary 1,000, T=16, width 32",
         ),
     }
 
 
-def run(quick: bool = False, repeats: int = 3) -> dict:
-    """Time every route on every case; seconds and ratios to the factor route."""
+def _model_gmac(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """The package's cost model: multiply-adds of the Gram's contraction, GMAC."""
+    backend = DiffBackPackGGN(model, "classification")
+    params = list(backend.params)
+    with torch.no_grad():
+        factors = backend.jacobian_factors(x)
+    one = torch.ones((), dtype=factors.f.dtype, device=factors.f.device)
+    return {
+        "factors": gram_multiply_adds(factors, factors, params, one) / 1e9,
+        "jacobians": jacobian_gram_multiply_adds(factors, factors, params) / 1e9,
+    }
+
+
+def _time_routes(
+    working: dict[str, Callable], x: torch.Tensor, repeats: int
+) -> dict[str, float]:
+    """Median seconds of every route's step, interleaved round after round."""
+    times: dict[str, list[float]] = {route: [] for route in working}
+    for _ in range(repeats):  # interleaved: drift on the machine hits every route
+        for route, fn in working.items():
+            start = time.perf_counter()
+            fn(x)
+            times[route].append(time.perf_counter() - start)
+    return {route: statistics.median(values) for route, values in times.items()}
+
+
+def run_case(
+    name: str, model: nn.Module, x: torch.Tensor, repeats: int, device: torch.device
+) -> dict[str, dict]:
+    """Every route of one case: seconds, FLOPs and the difference to factors."""
+    rows: dict[str, dict] = {}
+    routes = _routes(name, model)
+    with torch.no_grad():
+        reference = routes["factors"](x).double()  # the package's: no warnings
+    working: dict[str, Callable] = {}
+    for route, fn in routes.items():  # warm-up, and which routes run at all
+        step = synchronized(lambda fn=fn: _step(fn, x), device)
+        try:
+            step()
+        except (RuntimeError, NotImplementedError) as err:
+            rows[route] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+        else:
+            working[route] = lambda _, step=step: step()
+    seconds = _time_routes(working, x, repeats)
+    modelled = _model_gmac(model, x)
+    scale = reference.abs().max()
+    for route, fn in working.items():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            gram = routes[route](x).double()
+        gflop = counted_flops(lambda fn=fn: fn(x)) / 1e9
+        rows[route] = {
+            "seconds": seconds[route],
+            "max relative difference to factors": float(
+                (gram - reference).abs().max() / scale
+            ),
+            "gflop": gflop,
+            "gflop_per_s": gflop / seconds[route],
+        }
+        if route in modelled:
+            rows[route]["model_gmac"] = modelled[route]
+    base = rows["factors"]["seconds"]
+    for row in rows.values():
+        if "seconds" in row:
+            row["vs factors"] = row["seconds"] / base
+    return rows
+
+
+def _matmul_size(device: torch.device, quick: bool) -> int:
+    """A square matmul big enough to reach the device's rate (smaller if quick)."""
+    if device.type == "cuda":
+        return 1024 if quick else 8192
+    return 512 if quick else 2048
+
+
+def run(quick: bool = False, repeats: int = 3, device: str = "cpu") -> dict:
+    """Time every route on every case in this process; seconds, ratios, FLOPs."""
+    where = torch.device(device)
     results: dict = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
+        "device": str(where),
+        "matmul_gflop_per_s": matmul_gflop_per_s(where, _matmul_size(where, quick)),
         "cases": {},
     }
-    for name, (model, x) in _cases(quick).items():
-        rows = {}
-        routes = _routes(name, model)
-        with torch.no_grad():
-            reference = routes["factors"](x).double()  # the package's: no warnings
-        working = {}
-        for route, fn in routes.items():  # warm-up, and which routes run at all
-            try:
-                _step(fn, x)
-            except (RuntimeError, NotImplementedError) as err:
-                rows[route] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-            else:
-                working[route] = fn
-        times: dict[str, list[float]] = {route: [] for route in working}
-        for _ in range(repeats):  # interleaved: drift on the machine hits every route
-            for route, fn in working.items():
-                start = time.perf_counter()
-                _step(fn, x)
-                times[route].append(time.perf_counter() - start)
-        scale = reference.abs().max()
-        for route, fn in working.items():
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="There is a performance drop")
-                gram = fn(x).double()
-            rows[route] = {
-                "seconds": statistics.median(times[route]),
-                "max relative difference to factors": float(
-                    (gram - reference).abs().max() / scale
-                ),
-            }
-        base = rows["factors"]["seconds"]
-        for row in rows.values():
-            if "seconds" in row:
-                row["vs factors"] = row["seconds"] / base
-        results["cases"][name] = {"batch": int(x.shape[0]), "routes": rows}
+    if where.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(where)
+    for name, (model, x, description) in _cases(quick).items():
+        model, x = model.to(where), x.to(where)
+        results["cases"][name] = {
+            "description": description,
+            "batch": int(x.shape[0]),
+            "routes": run_case(name, model, x, repeats, where),
+        }
     return results
 
 
-def main() -> None:
+def _run_fresh(setting: str, args: argparse.Namespace) -> dict:
+    """One allocator setting in a fresh process started in its environment."""
+    command = [sys.executable, os.path.abspath(__file__), "--setting", setting]
+    command += ["--repeats", str(args.repeats), "--device", args.device]
+    command += ["--quick"] if args.quick else []
+    env = process_environment(setting)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p
+    )
+    proc = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=args.timeout
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{setting}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    results = run(args.quick, args.repeats)
+    parser.add_argument("--out", default=None, help="the results, JSON")
+    parser.add_argument("--markdown", default=None, help="the report, Markdown")
+    parser.add_argument(
+        "--allocator", nargs="+", choices=ALLOCATORS, default=["default"]
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="per setting, s")
+    parser.add_argument("--report-from", default=None, help="render a saved JSON")
+    parser.add_argument("--setting", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parser().parse_args(argv)
+    if args.setting is not None:  # one setting, in this fresh process
+        with applied(args.setting):
+            result = run(args.quick, args.repeats, args.device)
+        print("RESULT " + json.dumps({"allocator": args.setting, **result}))
+        return result
+    if args.report_from:
+        with open(args.report_from) as handle:
+            results = json.load(handle)
+    else:
+        runs = [_run_fresh(setting, args) for setting in args.allocator]
+        command = ["python benchmarks/jacobians/ntk_routes.py", *sys.argv[1:]]
+        results = {
+            "command": " ".join(command if argv is None else command[:1] + argv),
+            "date": datetime.datetime.now().isoformat(timespec="minutes"),
+            "quick": args.quick,
+            "repeats": args.repeats,
+            "runs": runs,
+        }
     text = json.dumps(results, indent=2)
-    if args.out:
+    if args.out and not args.report_from:
         with open(args.out, "w") as handle:
             handle.write(text + "\n")
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(render(results))
     print(text)
+    return results
 
 
 if __name__ == "__main__":

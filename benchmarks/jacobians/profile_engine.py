@@ -4,7 +4,8 @@ Prints torch.profiler's operator table of the full step (Jacobians + gradient of
 ``‖J‖²`` w.r.t. x, or w.r.t. the parameters for token inputs), e.g.
 ``--config mlp,512,10,32 --method DiffBackPackGGN`` or, by name from
 ``cases.FULL``, ``--config transformer-v100-d32-T32-C10-B64``. ``--jac-only`` profiles
-the Jacobians alone; ``--shapes`` groups the operators by input shape.
+the Jacobians alone; ``--shapes`` groups the operators by input shape;
+``--device cuda`` runs on the GPU and adds its kernels to the profile.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from cases import FULL, Config  # noqa: E402
+from cases import FULL, Config, to_device  # noqa: E402
 from methods import JACOBIAN_METHODS  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -39,10 +40,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--jac-only", action="store_true", help="no gradient step")
     parser.add_argument("--shapes", action="store_true", help="group by shapes")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     args = parser.parse_args(argv)
     cfg = _config(args.config)
     warnings.filterwarnings("ignore")
-    model, x = cfg.model(), cfg.inputs()
+    device = torch.device(args.device)
+    model, x = cfg.model().to(device), to_device(cfg.inputs(), device)
     if isinstance(x, dict):  # token ids: differentiate in the parameters
         leaves = list(model.parameters())
     else:
@@ -56,9 +59,14 @@ def main(argv: list[str] | None = None) -> str:
         return torch.autograd.grad(J.pow(2).sum(), leaves, allow_unused=True)
 
     step()  # warm-up
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=args.shapes) as prof:
         for _ in range(args.reps):
             step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     table = prof.key_averages(group_by_input_shape=args.shapes).table(
         sort_by="self_cpu_time_total", row_limit=args.rows
     )

@@ -1,4 +1,7 @@
-"""Markdown report of the benchmark results: tables of times, ratios and targets."""
+"""Markdown report of the benchmark results: tables of times, ratios and targets.
+
+Rows are (configuration, allocator setting); the targets are checked per setting.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import os
 import platform
 import statistics
 
+from allocator import ALLOCATORS, describe
 from methods import JACOBIAN_METHODS, TORCH_FUNC_METHODS
 
 BASELINE = "lt_BackPackGGN"
@@ -15,8 +19,19 @@ BASELINE = "lt_BackPackGGN"
 J_TOLERANCE = 1e-4
 
 
-def machine_description(when: datetime.datetime | None = None) -> list[str]:
-    """CPU model, cores, library versions and date, one Markdown bullet each."""
+#: The setting of results written before it was recorded.
+UNRECORDED = "not recorded"
+
+
+def allocator_of(res: dict) -> str:
+    """The allocator setting a result was measured under."""
+    return res.get("allocator", UNRECORDED)
+
+
+def machine_description(
+    when: datetime.datetime | None = None, results: list[dict] | None = None
+) -> list[str]:
+    """CPU, device, library versions, date and allocator settings, one bullet each."""
     import torch
 
     cpu = platform.processor() or "unknown"
@@ -35,18 +50,29 @@ def machine_description(when: datetime.datetime | None = None) -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             return "absent"
 
+    results = results or []
+    devices = sorted({r.get("device", "cpu") for r in results} or {"cpu"})
+    gpus = [d for d in devices if d.startswith("cuda")]
+    names = (
+        f" ({torch.cuda.get_device_name(gpus[0])})"
+        if gpus and torch.cuda.is_available()
+        else ""
+    )
+    found = {allocator_of(r) for r in results}
+    settings = [a for a in (*ALLOCATORS, UNRECORDED) if a in found]
     return [
         f"- CPU: {cpu}, {os.cpu_count()} cores, torch threads: "
         f"{torch.get_num_threads()}",
+        f"- device: {', '.join(devices)}{names}",
         f"- torch {torch.__version__}, laplace-torch {version('laplace-torch')}, "
         f"backpack-for-pytorch {version('backpack-for-pytorch')}, "
         f"Python {platform.python_version()}",
         f"- date: {(when or datetime.datetime.now()).isoformat(timespec='minutes')}",
-        "- PyTorch's CPU allocator: transparent huge pages "
-        + (
-            "on (`THP_MEM_ALLOC_ENABLE=1`)"
-            if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
-            else "off (default; `THP_MEM_ALLOC_ENABLE` unset)"
+        "- CPU allocator settings (the `allocator` column; each measured in "
+        "processes of its own): "
+        + "; ".join(
+            f"`{a}`: {describe(a) if a != UNRECORDED else 'not recorded'}"
+            for a in settings
         ),
     ]
 
@@ -73,11 +99,13 @@ def _fmt_ratio(r: float | None) -> str:
     return "–" if r is None else f"{r:.2f}×"
 
 
-def _by(results: list[dict], task: str) -> dict[str, dict[str, dict]]:
-    table: dict[str, dict[str, dict]] = {}
+def _by(results: list[dict], task: str) -> dict[tuple[str, str], dict[str, dict]]:
+    """``(configuration, allocator setting) -> method -> result`` of one task."""
+    table: dict[tuple[str, str], dict[str, dict]] = {}
     for res in results:
         if res["task"] == task:
-            table.setdefault(res["config"], {})[res["method"]] = res
+            row = (res["config"], allocator_of(res))
+            table.setdefault(row, {})[res["method"]] = res
     return table
 
 
@@ -91,7 +119,7 @@ def jacobian_tables(results: list[dict]) -> tuple[list[str], dict]:
     """Headline table, detail table and the per-config speed-ups for the targets."""
     table = _by(results, "jacobian")
     methods = [m for m in JACOBIAN_METHODS if any(m in r for r in table.values())]
-    head = ["config", "P", "obj."] + methods
+    head = ["config", "allocator", "P", "obj."] + methods
     lines = [
         "### Headline: Jacobian part of the full step, ms (speed-up vs "
         f"`{BASELINE}` / vs fastest torch.func route)",
@@ -99,8 +127,9 @@ def jacobian_tables(results: list[dict]) -> tuple[list[str], dict]:
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
-    speed: dict[str, dict[str, list[float]]] = {}
-    for cfg, row in table.items():
+    speed: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for (cfg, allocator), row in table.items():
+        setting = speed.setdefault(allocator, {})
         any_res = next(iter(row.values()))
         base = _get(row.get(BASELINE), "t_jac_part")
         func = [
@@ -109,29 +138,32 @@ def jacobian_tables(results: list[dict]) -> tuple[list[str], dict]:
             if _get(row.get(m), "t_jac_part") is not None
         ]
         fastest_func = min(func) if func else None
-        cells = [cfg, str(any_res.get("n_params", "–")), any_res.get("objective", "–")]
+        cells = [cfg, allocator, str(any_res.get("n_params", "–"))]
+        cells.append(any_res.get("objective", "–"))
         for m in methods:
             t = _get(row.get(m), "t_jac_part")
             r_base, r_func = _ratio(base, t), _ratio(fastest_func, t)
             cells.append(f"{_ms(t)} ({_fmt_ratio(r_base)} / {_fmt_ratio(r_func)})")
             for key, val in (("vs_base", r_base), ("vs_func", r_func)):
                 if val is not None:
-                    speed.setdefault(m, {}).setdefault(key, []).append(val)
+                    setting.setdefault(m, {}).setdefault(key, []).append(val)
             vmap = _get(row.get("vmap_jacrev"), "t_jac_part")
             if t is not None and vmap is not None and t > 1e-9:
-                speed.setdefault(m, {}).setdefault("vs_vmap", []).append(vmap / t)
+                setting.setdefault(m, {}).setdefault("vs_vmap", []).append(vmap / t)
             mem = [_get(row.get(k), "peak_mib") for k in (BASELINE, "vmap_jacrev")]
             mem = [v for v in mem if v is not None]
             peak = _get(row.get(m), "peak_mib")
             if mem and peak is not None and min(mem) > 0:
-                speed.setdefault(m, {}).setdefault("mem", []).append(peak / min(mem))
+                setting.setdefault(m, {}).setdefault("mem", []).append(peak / min(mem))
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", _median_row(speed, methods), ""]
+    lines.append("")
+    for allocator, setting in speed.items():
+        lines += [_median_row(setting, methods, allocator, len(speed) > 1), ""]
     lines += _detail_table(table, methods)
     return lines, speed
 
 
-def _median_row(speed: dict, methods: list[str]) -> str:
+def _median_row(speed: dict, methods: list[str], allocator: str, several: bool) -> str:
     parts = []
     for m in methods:
         s = speed.get(m, {})
@@ -141,14 +173,17 @@ def _median_row(speed: dict, methods: list[str]) -> str:
             parts.append(
                 f"`{m}` {statistics.median(vb):.2f}× / {statistics.median(vf):.2f}×"
             )
-    return "Median speed-up over configs (vs baseline / vs fastest torch.func): " + (
-        "; ".join(parts)
+    where = f" (allocator `{allocator}`)" if several else ""
+    return (
+        f"Median speed-up over configs{where} (vs baseline / vs fastest torch.func): "
+        + "; ".join(parts)
     )
 
 
 def _detail_table(table: dict, methods: list[str]) -> list[str]:
     head = [
         "config",
+        "allocator",
         "method",
         "J (ms)",
         "J ratio vs BP",
@@ -167,14 +202,15 @@ def _detail_table(table: dict, methods: list[str]) -> list[str]:
         "J: Jacobians alone (`enable_backprop=True`). full: Jacobians + gradient of "
         "the objective w.r.t. x. Jac part = full − objective alone. peak: resident "
         "high-water mark of the full step over the baseline after imports and model "
-        "construction, fresh process. mem ratio: peak / min(peak of "
+        "construction, fresh process (on a GPU: the CUDA allocator's peak of "
+        "allocated tensors over the baseline). mem ratio: peak / min(peak of "
         f"`{BASELINE}`, peak of `vmap_jacrev`). Errors: max abs error / max abs value "
         "against float64 per-sample `vmap(jacrev)`.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
-    for cfg, row in table.items():
+    for (cfg, allocator), row in table.items():
         base = _get(row.get(BASELINE), "t_jac")
         mem = [_get(row.get(k), "peak_mib") for k in (BASELINE, "vmap_jacrev")]
         mem = [v for v in mem if v is not None]
@@ -184,13 +220,14 @@ def _detail_table(table: dict, methods: list[str]) -> list[str]:
                 continue
             if not res.get("ok"):
                 lines.append(
-                    f"| {cfg} | {m} | failed: {res.get('error', '?')[:80]} |"
-                    + " |" * (len(head) - 3)
+                    f"| {cfg} | {allocator} | {m} | failed: "
+                    f"{res.get('error', '?')[:80]} |" + " |" * (len(head) - 4)
                 )
                 continue
             peak = res["peak_mib"]
             cells = [
                 cfg,
+                allocator,
                 m,
                 _ms(res["t_jac"]),
                 _fmt_ratio(_ratio(base, res["t_jac"])),
@@ -212,6 +249,7 @@ def gram_table(results: list[dict]) -> tuple[list[str], dict]:
     table = _by(results, "gram")
     head = [
         "config",
+        "allocator",
         "P",
         "route",
         "Gram (ms)",
@@ -232,21 +270,22 @@ def gram_table(results: list[dict]) -> tuple[list[str], dict]:
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
-    speed: dict[str, float] = {}
-    for cfg, row in table.items():
+    speed: dict[tuple[str, str], float] = {}
+    for (cfg, allocator), row in table.items():
         t_j = _get(row.get("J"), "t_gram")
         for route, res in row.items():
             if not res.get("ok"):
                 lines.append(
-                    f"| {cfg} | – | {route} | failed: {res.get('error', '?')[:80]} |"
-                    + " |" * (len(head) - 4)
+                    f"| {cfg} | {allocator} | – | {route} | failed: "
+                    f"{res.get('error', '?')[:80]} |" + " |" * (len(head) - 5)
                 )
                 continue
             r = _ratio(t_j, res["t_gram"])
             if route == "structured" and r is not None:
-                speed[cfg] = r
+                speed[(cfg, allocator)] = r
             cells = [
                 cfg,
+                allocator,
                 str(res["n_params"]),
                 route,
                 _ms(res["t_gram"]),
@@ -261,7 +300,21 @@ def gram_table(results: list[dict]) -> tuple[list[str], dict]:
 
 
 def target_lines(speed: dict, gram_speed: dict) -> list[str]:
-    """The issue's targets, checked on this run's numbers."""
+    """The issue's targets, checked on this run's numbers, per allocator setting."""
+    found = set(speed) | {a for _, a in gram_speed}
+    settings = [a for a in (*ALLOCATORS, UNRECORDED) if a in found]
+    if not settings:
+        return _targets({}, {}, "")
+    lines: list[str] = []
+    for allocator in settings:
+        big = {c: v for (c, a), v in gram_speed.items() if a == allocator}
+        where = f" (allocator `{allocator}`)" if len(settings) > 1 else ""
+        lines += [*_targets(speed.get(allocator, {}), big, where), ""]
+    return lines[:-1]
+
+
+def _targets(speed: dict, gram_speed: dict, where: str) -> list[str]:
+    """The targets table of one allocator setting."""
 
     def stat(m: str, key: str, fn) -> float | None:
         vals = speed.get(m, {}).get(key, [])
@@ -280,7 +333,7 @@ def target_lines(speed: dict, gram_speed: dict) -> list[str]:
     big = [v for k, v in gram_speed.items() if k.startswith("mlp2x512-C1-B256")]
     target = "structured Gram ≥ 5× J route, width 512, B 256"
     checks.append((target, big[0] if big else None, 5.0, ">="))
-    lines = ["### Targets", "", "| target | measured | met |", "|---|---|---|"]
+    lines = [f"### Targets{where}", "", "| target | measured | met |", "|---|---|---|"]
     for name, val, bound, op in checks:
         if val is None:
             lines.append(f"| {name} | – | not measured |")
@@ -323,7 +376,7 @@ def write_report(
             else f"({mode}), rendered again from its saved results."
         ),
         "",
-        *machine_description(when),
+        *machine_description(when, results),
         "",
         "Peak memory and errors: each (configuration, method) ran in its own "
         "fresh process (quick mode: one process per configuration). Times: all "

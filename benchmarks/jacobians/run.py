@@ -10,6 +10,12 @@ luck of one process's memory layout does not decide a ratio. The Markdown
 report (default ``RESULTS.md`` beside this script) and the raw results (``--json``) are
 written by :mod:`report`. ``--quick`` runs smoke-size cases in well under a minute;
 its timings mean nothing, it checks the harness (``tests/test_benchmarks.py``).
+
+``--allocator default thp mmap-off`` (one or more, :mod:`allocator`) measures
+everything once per CPU allocator setting, each process started in that
+setting's environment; every result records its setting and the tables have a
+row per (configuration, setting). ``--device cuda`` runs the models and inputs on
+the GPU (times synchronised, peak memory from the CUDA allocator).
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from allocator import ALLOCATORS, process_environment  # noqa: E402
 from cases import FULL, GRAM_FULL, GRAM_QUICK, QUICK, Config  # noqa: E402
 from methods import DICT_METHODS, JACOBIAN_METHODS  # noqa: E402
 from report import write_report  # noqa: E402
@@ -60,7 +68,12 @@ def gram_routes() -> tuple[list[str], list[str]]:
 def run_worker(spec: dict, timeout: float) -> list[dict]:
     """Run one spec in a fresh interpreter and parse its ``RESULT`` lines."""
     cmd = [sys.executable, os.path.join(HERE, "worker.py"), json.dumps(spec)]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = process_environment(spec.get("allocator", "default"))
+    env["PYTHONWARNINGS"] = "ignore"
+    # the workers import this checkout's package, whatever is installed
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p
+    )
     error = None
     try:
         proc = subprocess.run(
@@ -75,22 +88,30 @@ def run_worker(spec: dict, timeout: float) -> list[dict]:
     except subprocess.TimeoutExpired:
         got, error = {}, f"timeout after {timeout:.0f} s"
     name = Config(**spec["config"]).name
+    labels = {
+        k: spec.get(k, v) for k, v in (("allocator", "default"), ("device", "cpu"))
+    }
     return [
         got.get(m)
         or {"config": name, "task": spec["task"], "method": m, "ok": False,
-            "error": error}
+            "error": error, **labels}
         for m in spec["methods"]
     ]  # fmt: skip
 
 
 def build_specs(
-    quick: bool, methods: list[str], only: list[str] | None = None
+    quick: bool,
+    methods: list[str],
+    only: list[str] | None = None,
+    allocators: tuple[str, ...] | list[str] = ("default",),
+    device: str = "cpu",
 ) -> tuple[list[dict], list[str]]:
     """The memory, correctness and Gram measurements of one run, and report notes.
 
     The interleaved timing of each Jacobian configuration is made afterwards by
     :func:`timing_spec`, over the methods that ran there. ``only`` restricts
-    the run to the named configurations.
+    the run to the named configurations; every measurement is made once per
+    allocator setting, on ``device``.
     """
     configs, grams = (QUICK, GRAM_QUICK) if quick else (FULL, GRAM_FULL)
     if only:
@@ -109,7 +130,11 @@ def build_specs(
     for cfg, with_j in grams:
         wanted = [r for r in routes if with_j or r != "J"]
         specs += _specs(cfg, "gram", wanted, quick)
-    return specs, notes
+    return [
+        {**spec, "allocator": allocator, "device": device}
+        for allocator in allocators
+        for spec in specs
+    ], notes
 
 
 def _specs(cfg: Config, task: str, methods: list[str], quick: bool) -> list[dict]:
@@ -121,17 +146,33 @@ def _specs(cfg: Config, task: str, methods: list[str], quick: bool) -> list[dict
     ]
 
 
-def timing_spec(results: list[dict], config: dict, quick: bool) -> dict | None:
+def timing_spec(
+    results: list[dict],
+    config: dict,
+    quick: bool,
+    allocator: str = "default",
+    device: str = "cpu",
+) -> dict | None:
     """Interleaved timing of the methods that ran on ``config`` without failing."""
     name = Config(**config).name
     ran = [
         r["method"]
         for r in results
-        if r["task"] == "jacobian" and r["config"] == name and r.get("ok")
+        if r["task"] == "jacobian"
+        and r["config"] == name
+        and r.get("allocator", "default") == allocator
+        and r.get("ok")
     ]
     if not ran:
         return None
-    return {"config": config, "task": "timing", "methods": ran, "quick": quick}
+    return {
+        "config": config,
+        "task": "timing",
+        "methods": ran,
+        "quick": quick,
+        "allocator": allocator,
+        "device": device,
+    }
 
 
 def merge_timings(results: list[dict], timings: list[dict]) -> None:
@@ -140,10 +181,10 @@ def merge_timings(results: list[dict], timings: list[dict]) -> None:
     With several timing processes per configuration, each time is the median over
     the processes of their medians; the per-process values are kept as well.
     """
-    index = {(r["config"], r["method"]): r for r in results if r["task"] == "jacobian"}
-    grouped: dict[tuple[str, str], list[dict]] = {}
+    index = {_key(r): r for r in results if r["task"] == "jacobian"}
+    grouped: dict[tuple[str, str, str], list[dict]] = {}
     for t in timings:
-        grouped.setdefault((t["config"], t["method"]), []).append(t)
+        grouped.setdefault(_key(t), []).append(t)
     for key, runs in grouped.items():
         res = index.get(key)
         if res is None:
@@ -158,6 +199,11 @@ def merge_timings(results: list[dict], timings: list[dict]) -> None:
             res[f"{name}_per_process"] = values
         res["reps"] = sum(t["reps"] for t in runs)
         res["timing_processes"] = len(runs)
+
+
+def _key(res: dict) -> tuple[str, str, str]:
+    """A result's (configuration, allocator setting, method)."""
+    return res["config"], res.get("allocator", "default"), res["method"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -180,11 +226,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="workers at once (default 1; 2 with --quick, where timings are moot)",
     )
     parser.add_argument(
+        "--timing-jobs",
+        type=int,
+        default=None,
+        help="timing workers at once (default: as --jobs; 1 keeps them apart)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
         help="timing processes per configuration (1 with --quick)",
     )
+    parser.add_argument(
+        "--allocator",
+        nargs="+",
+        choices=ALLOCATORS,
+        default=["default"],
+        help="CPU allocator setting(s); each measured in processes of its own",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument(
         "--report-from",
         default=None,
@@ -194,21 +254,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.report_from:
         return rerender(args.report_from, args.out)
     jobs = args.jobs or (2 if args.quick else 1)
-    specs, notes = build_specs(args.quick, args.methods, args.configs)
+    specs, notes = build_specs(
+        args.quick, args.methods, args.configs, args.allocator, args.device
+    )
     start = time.perf_counter()
     results: list[dict] = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for batch in pool.map(lambda s: run_worker(s, args.timeout), specs):
             _log(batch)
             results += batch
-        configs = [s["config"] for s in specs if s["task"] == "jacobian"]
-        unique = [c for i, c in enumerate(configs) if c not in configs[:i]]
+    with ThreadPoolExecutor(max_workers=args.timing_jobs or jobs) as pool:
+        pairs = [
+            (s["config"], s["allocator"]) for s in specs if s["task"] == "jacobian"
+        ]
+        unique = [c for i, c in enumerate(pairs) if c not in pairs[:i]]
         repeats = 1 if args.quick else args.repeats
         timing = [
             t
             for _ in range(repeats)
-            for c in unique
-            if (t := timing_spec(results, c, args.quick))
+            for c, allocator in unique
+            if (t := timing_spec(results, c, args.quick, allocator, args.device))
         ]
         timeout = args.timeout * (1 if args.quick else 6)
         timings: list[dict] = []
@@ -240,7 +305,8 @@ def _log(batch: list[dict]) -> None:
     for res in batch:
         status = "ok" if res.get("ok") else f"FAILED ({res.get('error')})"
         print(
-            f"{res['config']:>24} {res['task']:>8} {res['method']:>16} {status}",
+            f"{res['config']:>24} {res.get('allocator', 'default'):>8} "
+            f"{res['task']:>8} {res['method']:>16} {status}",
             flush=True,
         )
 

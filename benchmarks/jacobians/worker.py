@@ -15,6 +15,10 @@ Prints one line ``RESULT {json}`` per method of the spec. Tasks:
     :func:`laplace_diffjac.kernels.structured_ntk`; ``kernel``:
     ``laplace_diffjac.kernels.ntk``): peak memory and median time of the Gram and of
     Gram + gradient w.r.t. x of its trace, and the error against float64.
+
+Each spec names its ``device`` (default ``cpu``; models, inputs and the float64
+reference go there) and its ``allocator`` setting (:mod:`allocator`; the process
+was started in its environment by ``run.py``, and ``mmap-off`` is applied here).
 """
 
 from __future__ import annotations
@@ -30,18 +34,21 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from cases import Config  # noqa: E402
+from allocator import applied  # noqa: E402
+from cases import Config, to_device  # noqa: E402
 from measure import (  # noqa: E402
-    current_rss_mib,
     interleaved_seconds,
     median_seconds,
-    peak_rss_mib,
-    reset_peak_rss,
+    peak_mib,
+    start_peak,
+    synchronized,
 )
 from methods import JACOBIAN_METHODS, reference_jacobians  # noqa: E402
 
 #: Above this many flops for J Jᵀ, the full step uses the trace objective.
 LOGDET_FLOP_LIMIT = 1e9
+
+CPU = torch.device("cpu")
 
 
 def objective_kind(batch: int, n_out: int, n_params: int) -> str:
@@ -95,28 +102,29 @@ def _full_step(jac, x, kind: str, leaves: list[torch.Tensor]):
     return full
 
 
-def _input(cfg: Config):
-    x = cfg.inputs()
+def _input(cfg: Config, device: torch.device):
+    x = to_device(cfg.inputs(), device)
     return x if isinstance(x, dict) else x.requires_grad_(True)
 
 
-def run_jacobian(cfg: Config, method: str, quick: bool) -> dict:
+def run_jacobian(
+    cfg: Config, method: str, quick: bool, device: torch.device = CPU
+) -> dict:
     """Peak memory of one full step (first thing in a fresh process) and errors."""
-    model = cfg.model()
-    x = _input(cfg)
+    model = cfg.model().to(device)
+    x = _input(cfg, device)
     jac = JACOBIAN_METHODS[method](model, cfg.n_out)
     n_params = sum(p.numel() for p in model.parameters())
     kind = objective_kind(cfg.batch, cfg.n_out, n_params)
-    full = _full_step(jac, x, kind, _leaves(model, x))
+    full = synchronized(_full_step(jac, x, kind, _leaves(model, x)), device)
 
-    base = current_rss_mib()
-    reset_peak_rss()
+    base = start_peak(device)
     t0 = time.perf_counter()
     gx = full()
     t_first = time.perf_counter() - t0
-    peak = peak_rss_mib() - base
+    peak = peak_mib(device) - base
 
-    model64 = cfg.model(torch.float64)
+    model64 = cfg.model(torch.float64).to(device)
     if isinstance(x, dict):  # token batches: check on 8 samples (slow reference)
         x = {k: v[:8] for k, v in x.items()}
         gx = _full_step(jac, x, kind, _leaves(model, x))()
@@ -135,7 +143,9 @@ def run_jacobian(cfg: Config, method: str, quick: bool) -> dict:
     }
 
 
-def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
+def run_timing(
+    cfg: Config, methods: list[str], quick: bool, device: torch.device = CPU
+) -> dict[str, dict]:
     """Interleaved median times of every method on one configuration.
 
     The methods run in turn, round after round, in one process, so that a slow
@@ -143,8 +153,8 @@ def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
     detached J, the same for every method) is timed in the same rounds and
     subtracted from each full step to give the Jacobian part.
     """
-    model = cfg.model()
-    x = _input(cfg)
+    model = cfg.model().to(device)
+    x = _input(cfg, device)
     n_params = sum(p.numel() for p in model.parameters())
     kind = objective_kind(cfg.batch, cfg.n_out, n_params)
     jacs = {m: JACOBIAN_METHODS[m](model, cfg.n_out) for m in methods}
@@ -155,6 +165,7 @@ def run_timing(cfg: Config, methods: list[str], quick: bool) -> dict[str, dict]:
     for m, jac in jacs.items():
         tasks[(m, "t_jac")] = lambda jac=jac: jac(x)
         tasks[(m, "t_full")] = _full_step(jac, x, kind, _leaves(model, x))
+    tasks = {key: synchronized(fn, device) for key, fn in tasks.items()}
     for fn in tasks.values():  # warm-up
         fn()
     times = interleaved_seconds(tasks, **_timing_args(quick, 1.0, 15))
@@ -192,9 +203,9 @@ def _gram_fn(route: str, model: torch.nn.Module):
     return via_jacobians
 
 
-def run_gram(cfg: Config, route: str, quick: bool) -> dict:
-    model = cfg.model()
-    x = cfg.inputs().requires_grad_(True)
+def run_gram(cfg: Config, route: str, quick: bool, device: torch.device = CPU) -> dict:
+    model = cfg.model().to(device)
+    x = cfg.inputs().to(device).requires_grad_(True)
     gram = _gram_fn(route, model)
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -202,17 +213,17 @@ def run_gram(cfg: Config, route: str, quick: bool) -> dict:
         K = gram(x)
         return torch.autograd.grad(torch.einsum("bbcc->", K), x)[0]
 
-    base = current_rss_mib()
-    reset_peak_rss()
-    full()
-    peak = peak_rss_mib() - base
+    base = start_peak(device)
+    synchronized(full, device)()
+    peak = peak_mib(device) - base
     timing = _timing_args(quick)
-    t_gram, reps = median_seconds(lambda: gram(x), **timing)
-    t_full, _ = median_seconds(full, **timing)
+    t_gram, reps = median_seconds(synchronized(lambda: gram(x), device), **timing)
+    t_full, _ = median_seconds(synchronized(full, device), **timing)
 
     K = gram(x).detach()
     sub = min(cfg.batch, 32)
-    ref = reference_jacobians(cfg.model(torch.float64), x[:sub].detach().double())
+    model64 = cfg.model(torch.float64).to(device)
+    ref = reference_jacobians(model64, x[:sub].detach().double())
     ref_K = torch.einsum("bcp,dep->bdce", ref, ref)
     return {
         "n_params": n_params,
@@ -233,16 +244,26 @@ def main(spec: dict) -> list[dict]:
     batches a configuration's methods into one process.
     """
     warnings.filterwarnings("ignore")
-    if spec["task"] == "timing":
-        return _measure_timing(spec)
-    return [_measure(spec, method) for method in spec["methods"]]
+    with applied(spec.get("allocator", "default")):
+        if spec["task"] == "timing":
+            return _measure_timing(spec)
+        return [_measure(spec, method) for method in spec["methods"]]
+
+
+def _labels(spec: dict) -> dict:
+    """What every result of ``spec`` records besides its measurements."""
+    return {
+        "allocator": spec.get("allocator", "default"),
+        "device": spec.get("device", "cpu"),
+    }
 
 
 def _measure_timing(spec: dict) -> list[dict]:
     cfg = Config(**spec["config"])
-    base = {"config": cfg.name, "task": "timing"}
+    base = {"config": cfg.name, "task": "timing", **_labels(spec)}
+    device = torch.device(spec.get("device", "cpu"))
     try:
-        times = run_timing(cfg, spec["methods"], spec.get("quick", False))
+        times = run_timing(cfg, spec["methods"], spec.get("quick", False), device)
     except Exception as exc:  # reported in the table, not raised
         traceback.print_exc()
         error = f"{type(exc).__name__}: {exc}"[:300]
@@ -255,18 +276,20 @@ def _measure_timing(spec: dict) -> list[dict]:
 def _measure(spec: dict, method: str) -> dict:
     cfg = Config(**spec["config"])
     task, quick = spec["task"], spec.get("quick", False)
+    device = torch.device(spec.get("device", "cpu"))
     result = {
         "config": cfg.name,
         "task": task,
         "method": method,
         "quick": quick,
         "ok": True,
+        **_labels(spec),
     }
     try:
         if task == "jacobian":
-            result.update(run_jacobian(cfg, method, quick))
+            result.update(run_jacobian(cfg, method, quick, device))
         else:
-            result.update(run_gram(cfg, method, quick))
+            result.update(run_gram(cfg, method, quick, device))
     except Exception as exc:  # reported in the table, not raised
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
         traceback.print_exc()

@@ -26,7 +26,8 @@ with respect to both inputs and the parameters whenever the factors are.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -71,18 +72,10 @@ def factor_gram(
         shape = (left.batch, other.batch, left.n_rows, other.n_rows)
     dtype = torch.promote_types(left.f.dtype, prior_var.dtype)
     total = torch.zeros(shape, dtype=dtype, device=left.f.device)
-    start = 0
-    for p in params:
-        size = p.numel()
-        var = prior_var if prior_var.dim() == 0 else prior_var[start : start + size]
-        start += size
-        entries1 = left.factors.get(id(p), [])
-        entries2 = other.factors.get(id(p), [])
-        if not entries1 or not entries2:
-            continue
+    for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
         scale = _constant(var)
-        cheaper = _factor_route_cheaper(entries1, entries2, diagonal, size)
-        if scale is not None and cheaper:
+        costs = _route_costs(entries1, entries2, diagonal, p.numel())
+        if scale is not None and costs.factor_chosen:
             block = sum(
                 _pair_gram(e1, e2, diagonal) for e1 in entries1 for e2 in entries2
             )
@@ -90,6 +83,109 @@ def factor_gram(
         else:
             total = total + _block_gram(left, other, p, var, diagonal)
     return total
+
+
+def gram_multiply_adds(
+    left: JacobianFactors,
+    right: JacobianFactors | None,
+    params: Sequence[torch.Tensor],
+    prior_var: torch.Tensor,
+) -> int:
+    """Multiply-adds of :func:`factor_gram`'s contractions, as its choice counts them.
+
+    Per parameter, the count of the route :func:`factor_gram` takes with the same
+    arguments: the factor route's contractions, or writing the parameter's block
+    for each batch (once for a symmetric Gram, ``right is left``, as it is done)
+    and contracting the blocks. The cost model that makes the choice, not a
+    measurement: every written entry of a block counts as one multiply-add;
+    elementwise products of the factor route, sums and the prior's scaling are not
+    counted, nor the engine's passes that give the factors.
+
+    Parameters
+    ----------
+    left, right, params, prior_var
+        As for :func:`factor_gram`.
+
+    Returns
+    -------
+    int
+        Multiply-adds (one multiply-add is two floating-point operations).
+
+    """
+    diagonal = right is None
+    other = left if right is None else right
+    total = 0
+    for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
+        costs = _route_costs(entries1, entries2, diagonal, p.numel())
+        if (
+            costs.factor is not None
+            and costs.factor_chosen
+            and _constant(var) is not None
+        ):
+            total += costs.factor
+            continue
+        total += costs.block
+        if right is left:  # _block_gram writes a symmetric Gram's block once
+            total -= sum(_write_cost(e, p.numel()) for e in entries2)
+    return total
+
+
+def jacobian_gram_multiply_adds(
+    left: JacobianFactors,
+    right: JacobianFactors | None,
+    params: Sequence[torch.Tensor],
+) -> int:
+    """Multiply-adds of writing ``J`` from the factors and contracting ``J Σ₀ Jᵀ``.
+
+    What forming the Jacobians costs next to :func:`gram_multiply_adds`, in the
+    same cost model: writing every parameter's block of ``J`` for each batch (once
+    when ``right`` is ``left`` or ``None``), then ``B1 B2 V² P`` for the Gram
+    (``B V² P`` for the diagonal blocks, ``right=None``).
+
+    Parameters
+    ----------
+    left : JacobianFactors
+        Factors of batch 1.
+    right : JacobianFactors or None
+        Factors of batch 2; ``None`` for the per-sample diagonal blocks.
+    params : sequence of torch.Tensor
+        The parameters in the Jacobians' column order.
+
+    Returns
+    -------
+    int
+        Multiply-adds.
+
+    """
+    batches = [left] if right is None or right is left else [left, right]
+    written = sum(
+        _write_cost(e, p.numel())
+        for factors in batches
+        for p in params
+        for e in factors.factors.get(id(p), [])
+    )
+    n_params = sum(p.numel() for p in params)
+    pairs = left.batch if right is None else left.batch * right.batch
+    n_rows2 = left.n_rows if right is None else right.n_rows
+    return written + pairs * left.n_rows * n_rows2 * n_params
+
+
+def _pairs(
+    left: JacobianFactors,
+    right: JacobianFactors,
+    params: Sequence[torch.Tensor],
+    prior_var: torch.Tensor,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[Factors], list[Factors]]]:
+    """Each parameter with Jacobian columns in both batches: its prior and entries."""
+    start = 0
+    for p in params:
+        size = p.numel()
+        var = prior_var if prior_var.dim() == 0 else prior_var[start : start + size]
+        start += size
+        entries1 = left.factors.get(id(p), [])
+        entries2 = right.factors.get(id(p), [])
+        if entries1 and entries2:
+            yield p, var, entries1, entries2
 
 
 def _constant(var: torch.Tensor) -> torch.Tensor | None:
@@ -120,29 +216,47 @@ def _block_gram(
     return torch.einsum("bvn,cwn->bcvw", J1v, J2)
 
 
-def _factor_route_cheaper(
+@dataclass(frozen=True)
+class _RouteCosts:
+    """One parameter's two routes in multiply-adds, and their largest intermediates.
+
+    ``factor`` is ``None`` where some pair of entries has no factor route.
+    """
+
+    factor: int | None
+    factor_memory: int
+    block: int
+    block_memory: int
+
+    @property
+    def factor_chosen(self) -> bool:
+        """A factor route, cheaper, holding at most ``_MEMORY_RATIO`` × the block's."""
+        if self.factor is None:
+            return False
+        if self.factor_memory > _MEMORY_RATIO * self.block_memory:
+            return False
+        return self.factor < self.block
+
+
+def _route_costs(
     entries1: list[Factors], entries2: list[Factors], diagonal: bool, size: int
-) -> bool:
-    """Whether every pair has a factor route, together cheaper than the block route.
+) -> _RouteCosts:
+    """Both routes' multiply-adds and largest intermediates for one parameter.
 
     ``size`` is the parameter's number of entries, the width of its block.
 
     Returns
     -------
-    bool
-        ``True`` if all pairs of entries have a factor route, its multiply-adds
-        are fewer than the block route's, and its largest intermediate holds at
-        most ``_MEMORY_RATIO`` times the block route's elements.
+    _RouteCosts
+        The factor route's cost summed over all pairs of entries (``None`` if a
+        pair has none), and the block route's: writing the block for each batch
+        and contracting.
 
     """
-    factor_cost, factor_memory = 0, 0
-    for e1 in entries1:
-        for e2 in entries2:
-            cost = _pair_cost(e1, e2, diagonal)
-            if cost is None:
-                return False
-            factor_cost += cost[0]
-            factor_memory = max(factor_memory, cost[1])
+    costs = [_pair_cost(e1, e2, diagonal) for e1 in entries1 for e2 in entries2]
+    known = [cost for cost in costs if cost is not None]
+    factor = sum(cost[0] for cost in known) if len(known) == len(costs) else None
+    factor_memory = max((cost[1] for cost in known), default=0)
     n_rows1, batch1 = _rows_and_batch(entries1[0])
     n_rows2, batch2 = _rows_and_batch(entries2[0])
     pairs = batch1 if diagonal else batch1 * batch2
@@ -150,9 +264,7 @@ def _factor_route_cheaper(
     block_cost = sum(_write_cost(e, size) for e in written)
     block_cost += pairs * n_rows1 * n_rows2 * size
     block_memory = (batch1 * n_rows1 + (0 if diagonal else batch2 * n_rows2)) * size
-    if factor_memory > _MEMORY_RATIO * block_memory:
-        return False
-    return factor_cost < block_cost
+    return _RouteCosts(factor, factor_memory, block_cost, block_memory)
 
 
 def _rows_and_batch(e: Factors) -> tuple[int, int]:

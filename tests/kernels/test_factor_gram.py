@@ -16,9 +16,15 @@ from collections.abc import Mapping
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN, UnsupportedModuleError
 from laplace_diffjac.kernels import ntk, ntk_diag
+from laplace_diffjac.kernels._factor_gram import (
+    factor_gram,
+    gram_multiply_adds,
+    jacobian_gram_multiply_adds,
+)
 from laplace_diffjac.kernels._ntk import factor_route_applies
 from tests.backends.audit_cases import CASES
 from tests.class_models import MODELS, built
@@ -221,3 +227,27 @@ def test_subnetwork_takes_the_jacobian_route_and_stays_right() -> None:
     with torch.no_grad():
         K = ntk(backend, x)
     torch.testing.assert_close(K, torch.einsum("acp,bep->abce", J, J), **TOL)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_cost_model_counts_the_multiply_adds_the_gram_runs(name: str) -> None:
+    """``gram_multiply_adds`` against torch's FlopCounterMode (2 flops a multiply-add).
+
+    The counter sees every matmul-like kernel the contraction runs; the cost model
+    also counts the block route's elementwise writes (norm scales, Linear blocks
+    without tokens, ``torch.mul``), which the counter does not: at most 10% more.
+    The Jacobian route's count is above both (this model's layers favour factors).
+    """
+    model, x = _built(name)
+    backend = DiffBackPackGGN(model, "regression")
+    params = list(backend.params)
+    prior_var = torch.tensor(0.7, dtype=torch.float64)
+    with torch.no_grad():
+        left, other = backend.jacobian_factors(x), backend.jacobian_factors(x)
+        for right in (left, other, None):
+            with FlopCounterMode(display=False) as counter:
+                factor_gram(left, right, params, prior_var)
+            counted = counter.get_total_flops()
+            modelled = 2 * gram_multiply_adds(left, right, params, prior_var)
+            assert counted <= modelled <= 1.1 * counted, (right is None, right is left)
+            assert jacobian_gram_multiply_adds(left, right, params) > modelled / 2

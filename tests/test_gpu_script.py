@@ -1,0 +1,87 @@
+"""``benchmarks/gpu/run_on_gpu.py``: its dry run on the CPU runs every step of a GPU
+run at smoke sizes and writes what a GPU run writes; a step that overruns its limit
+or the budget is cut off and recorded, and the next step still runs.
+
+No timing is asserted: the dry run's timings are single cold runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks/gpu/run_on_gpu.py"
+
+
+def _script():
+    """The script as a module (registered: its dataclasses look themselves up)."""
+    if "run_on_gpu" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("run_on_gpu", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["run_on_gpu"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["run_on_gpu"]
+
+
+@pytest.mark.slow
+def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "--device", "cpu", "--quick"]
+        + ["--no-install"],
+        cwd=tmp_path,  # the script finds the repository itself
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    record = json.loads((out / "gpu_run.json").read_text())
+    steps = {s["name"]: s for s in record["steps"]}
+    assert list(steps) == ["environment", "tests", "jacobians", "ntk"]
+    assert all(s["ok"] for s in steps.values()), record
+    assert sum(s["seconds"] for s in steps.values()) < record["budget_s"] == 450
+    tests = steps["tests"]["notes"]
+    assert tests["tests"] >= 10 and tests["failures"] == tests["errors"] == 0
+    results = json.loads((out / "results.json").read_text())
+    assert {r["device"] for r in results} == {"cpu"} and all(r["ok"] for r in results)
+    assert {r["task"] for r in results} == {"jacobian", "gram"}
+    ntk = json.loads((out / "ntk_routes.json").read_text())
+    assert [run["device"] for run in ntk["runs"]] == ["cpu"]
+    text = (out / "GPU.md").read_text()
+    assert "| tests | ok |" in text and "| ntk | ok |" in text
+    assert "| config | allocator | P | obj. |" in text
+    assert "| model | B | allocator | route |" in text
+    for name in ("RESULTS.md", "NTK_ROUTES.md", "tests.xml", "logs/tests.log"):
+        assert (out / name).exists(), name
+
+
+def test_a_step_past_its_limit_is_cut_off_and_the_budget_holds(tmp_path, monkeypatch):
+    script = _script()
+    monkeypatch.setitem(script.LIMITS, "tests", 6)
+    runner = script.Runner(tmp_path, budget_s=20)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    slow = runner.run("tests", sleep)
+    assert slow.timed_out and not slow.ok and 5 < slow.seconds < 30
+    runner.deadline = 0.0  # the budget is spent: later steps are skipped
+    skipped = runner.run("ntk", [sys.executable, "-c", "pass"])
+    assert skipped.returncode is None and "no time left" in skipped.notes["skipped"]
+    done = script.summary(runner, "cpu", True, 20)
+    assert "| tests | timed out |" in done and "| ntk | skipped |" in done
+
+
+def test_junit_counts_are_read(tmp_path):
+    xml = tmp_path / "t.xml"
+    xml.write_text(
+        '<testsuites><testsuite tests="7" failures="1" errors="0" skipped="2">'
+        "</testsuite></testsuites>"
+    )
+    counts = _script().test_counts(xml)
+    assert counts == {"tests": 7, "failures": 1, "errors": 0, "skipped": 2}
+    assert _script().test_counts(tmp_path / "missing.xml") == {}
