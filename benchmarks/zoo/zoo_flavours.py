@@ -34,7 +34,9 @@ backend's fitted ``la.H`` and predictive probabilities are compared with the
 default's, so that a fast wrong route shows. Single cold runs.
 
 Run: ``python benchmarks/zoo/zoo_flavours.py [--quick] [--out PATH] [--threads 2]
-[--timeout 1800]``. Without ``--quick`` the results go to ``zoo_flavours.json``
+[--timeout 1800] [--models M ...]``; ``--models`` measures only those models and
+keeps the other models' rows already in the output (the commands of every
+invocation are recorded). Without ``--quick`` the results go to ``zoo_flavours.json``
 and ``ZOO.md`` beside this script; ``--quick`` writes only where ``--out`` says
 (``ZOO.md`` beside that JSON). ``--report-only`` writes ``ZOO.md`` again from the
 JSON (``--out``, or the one beside this script).
@@ -140,11 +142,13 @@ SUBNETWORK = {
 }
 
 
-def grid(quick: bool) -> list[dict]:
-    """Every configuration: model × flavour × backend."""
+def grid(quick: bool, models: list[str] | None = None) -> list[dict]:
+    """Every configuration: model × flavour × backend (of ``models``, if given)."""
     flavours = QUICK_FLAVOURS if quick else FLAVOURS
     configs = []
     for model, chosen in flavours.items():
+        if models and model not in models:
+            continue
         size = (QUICK_SIZES if quick else SIZES)[model]
         n, batch, n_test = (QUICK_DATA if quick else DATA)[KIND[model]]
         for name, subset, structure, subnetwork in chosen:
@@ -407,6 +411,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(FLAVOURS),
+        help="only these models; rows of the others already in --out are kept",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -416,7 +426,7 @@ def main() -> None:
     if args.report_only:
         write_report(json.loads(out.read_text()), out.with_name("ZOO.md"))
         return
-    configs = grid(args.quick)
+    configs = grid(args.quick, args.models)
     rows, numbers = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, cfg in enumerate(configs):
@@ -434,10 +444,15 @@ def main() -> None:
                 numbers[i] = torch.load(cfg["numbers"])
     _agreement(rows, numbers)
     command = [os.path.relpath(__file__, ROOT), *sys.argv[1:]]
+    kept, commands = [], [command]
+    if args.models and out and out.exists():  # the other models' rows stay
+        previous = json.loads(out.read_text())
+        kept = [r for r in previous["rows"] if r["model"] not in args.models]
+        commands = previous["environment"].get("commands", []) + [command]
     results = {
-        "environment": environment(args.threads, command),
+        "environment": dict(environment(args.threads, command), commands=commands),
         "quick": args.quick,
-        "rows": rows,
+        "rows": kept + rows,
     }
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
