@@ -34,8 +34,8 @@ def _factors(
     params: Sequence[torch.Tensor],
     seeds: Any,
 ) -> JacobianFactors:
-    """The factors of the seeded rows, cut from the graph the forward recorded."""
-    return jacobian_factors(model, x, params, root=root, seeds=seeds).detach()
+    """The factors of the seeded rows (detached: no ``enable_backprop``)."""
+    return jacobian_factors(model, x, params, root=root, seeds=seeds)
 
 
 def ggn_diagonal(

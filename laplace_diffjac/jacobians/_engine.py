@@ -228,9 +228,10 @@ def jacobian_factors(
         grads = _regroup(flat, targets)
         with torch.set_grad_enabled(enable_backprop):
             factors = param_jacobian_factors(calls, grads, params)
-    if not enable_backprop:
-        f = f.detach()
-    return JacobianFactors(factors, f, int(signals.shape[0]), batch)
+    result = JacobianFactors(factors, f, int(signals.shape[0]), batch)
+    # The recorded layer inputs hang on the forward's graph through the
+    # parameters: cut every factor, not only the output, for every caller.
+    return result if enable_backprop else result.detach()
 
 
 def parameter_jacobians(
