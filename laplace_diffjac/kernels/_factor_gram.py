@@ -74,7 +74,7 @@ def factor_gram(
     total = torch.zeros(shape, dtype=dtype, device=left.f.device)
     for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
         scale = _constant(var)
-        costs = _route_costs(entries1, entries2, diagonal, p.numel())
+        costs = _route_costs(entries1, entries2, diagonal, right is left, p.numel())
         if scale is not None and costs.factor_chosen:
             block = sum(
                 _pair_gram(e1, e2, diagonal) for e1 in entries1 for e2 in entries2
@@ -116,7 +116,7 @@ def gram_multiply_adds(
     other = left if right is None else right
     total = 0
     for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
-        costs = _route_costs(entries1, entries2, diagonal, p.numel())
+        costs = _route_costs(entries1, entries2, diagonal, right is left, p.numel())
         if (
             costs.factor is not None
             and costs.factor_chosen
@@ -125,8 +125,6 @@ def gram_multiply_adds(
             total += costs.factor
             continue
         total += costs.block
-        if right is left:  # _block_gram writes a symmetric Gram's block once
-            total -= sum(_write_cost(e, p.numel()) for e in entries2)
     return total
 
 
@@ -239,11 +237,17 @@ class _RouteCosts:
 
 
 def _route_costs(
-    entries1: list[Factors], entries2: list[Factors], diagonal: bool, size: int
+    entries1: list[Factors],
+    entries2: list[Factors],
+    diagonal: bool,
+    symmetric: bool,
+    size: int,
 ) -> _RouteCosts:
     """Both routes' multiply-adds and largest intermediates for one parameter.
 
-    ``size`` is the parameter's number of entries, the width of its block.
+    ``size`` is the parameter's number of entries, the width of its block;
+    ``symmetric``: the Gram of a batch with itself, whose block
+    :func:`_block_gram` writes once.
 
     Returns
     -------
@@ -260,10 +264,11 @@ def _route_costs(
     n_rows1, batch1 = _rows_and_batch(entries1[0])
     n_rows2, batch2 = _rows_and_batch(entries2[0])
     pairs = batch1 if diagonal else batch1 * batch2
-    written = entries1 if diagonal else entries1 + entries2
+    once = diagonal or symmetric
+    written = entries1 if once else entries1 + entries2
     block_cost = sum(_write_cost(e, size) for e in written)
     block_cost += pairs * n_rows1 * n_rows2 * size
-    block_memory = (batch1 * n_rows1 + (0 if diagonal else batch2 * n_rows2)) * size
+    block_memory = (batch1 * n_rows1 + (0 if once else batch2 * n_rows2)) * size
     return _RouteCosts(factor, factor_memory, block_cost, block_memory)
 
 
