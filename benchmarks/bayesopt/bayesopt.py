@@ -57,15 +57,41 @@ from torch import nn
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_OUT = HERE  # the recorded run: raw/, run.json, BAYESOPT.md, ...
 
-FUNCTIONS = ("branin", "hartmann", "ackley")
+FUNCTIONS = (
+    "branin",
+    "hartmann",
+    "ackley",
+    "rosenbrock",
+    "styblinski_tang",
+    "michalewicz",
+    "griewank",
+)
 METHODS = (
     "SingleTaskGP",
     "LaplaceBoTorch",
+    "ContextBoTorch",
     "LaplaceBoTorch+DiffBackPackGGN",
     "Context(random)",
     "Context(optimised)",
     "Context(random,no-retrain)",
     "Context(optimised,no-retrain)",
+    "Context(observations)",
+    "Context(observations,finetune)",
+    "Context(observations,network-mean)",
+    "Context(observations,noise)",
+    "Context(observations,finetune,noise)",
+    "Context(observations,finetune,network-mean)",
+    "Context(observations,finetune,no-retrain)",
+)
+#: The flags a ``Context(...)`` method may combine (see ``_context``).
+CONTEXT_FLAGS = (
+    "random",
+    "optimised",
+    "observations",
+    "no-retrain",
+    "finetune",
+    "network-mean",
+    "noise",
 )
 #: laplace-bayesopt retrains its network for every observation; see ``--laplace-seeds``.
 RETRAINING_METHODS = ("LaplaceBoTorch", "LaplaceBoTorch+DiffBackPackGGN")
@@ -78,7 +104,7 @@ class Config:
     functions: tuple[str, ...] = FUNCTIONS
     methods: tuple[str, ...] = METHODS
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
-    laplace_seeds: int = 2
+    laplace_seeds: int = 5
     initial: int = 10
     iterations: int = 50
     restarts: int = 5
@@ -89,6 +115,7 @@ class Config:
     location_steps: int = 100
     retrain_every: int = 10
     marglik_iters: int = 100
+    finetune_epochs: int = 50
 
 
 QUICK = Config(
@@ -105,16 +132,29 @@ QUICK = Config(
     location_steps=3,
     retrain_every=2,
     marglik_iters=5,
+    finetune_epochs=2,
 )
 
 
 def _problem(name: str):
-    from botorch.test_functions import Ackley, Branin, Hartmann
+    from botorch.test_functions import (
+        Ackley,
+        Branin,
+        Griewank,
+        Hartmann,
+        Michalewicz,
+        Rosenbrock,
+        StyblinskiTang,
+    )
 
     make = {
         "branin": lambda: Branin(negate=True),
         "hartmann": lambda: Hartmann(dim=6, negate=True),
         "ackley": lambda: Ackley(dim=10, negate=True),
+        "rosenbrock": lambda: Rosenbrock(dim=4, negate=True),
+        "styblinski_tang": lambda: StyblinskiTang(dim=8, negate=True),
+        "michalewicz": lambda: Michalewicz(dim=5, negate=True),
+        "griewank": lambda: Griewank(dim=20, negate=True),
     }[name]
     return make().to(torch.float64)
 
@@ -187,24 +227,94 @@ def _surrogate(method: str, X: torch.Tensor, Y: torch.Tensor, cfg: Config, seed:
             posthoc_marglik_iters=cfg.marglik_iters, **extra,
         )  # fmt: skip
         return _Conditioned(model)
+    if method == "ContextBoTorch":
+        return _Conditioned(_context_defaults(get_net, X, Y, cfg, seed))
+    return _Conditioned(_context(method, get_net, X, Y, cfg, seed))
+
+
+def _context_defaults(get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config,
+                      seed: int):  # fmt: skip
+    """``ContextBoTorch`` at the package's defaults.
+
+    Only the sizes that ``--quick`` shrinks are passed; the full run's values
+    equal the defaults (1000 epochs, 100 locations, 100 evidence steps, retrain
+    every 10, 50 fine-tuning epochs).
+    """
+    from botorch.models.transforms.outcome import Standardize
+
     from laplace_diffjac.bayesopt import ContextBoTorch, RetrainSchedule
 
-    retrain = None if "no-retrain" in method else cfg.retrain_every
-    model = ContextBoTorch(
+    unit = torch.stack([torch.zeros(X.shape[-1]), torch.ones(X.shape[-1])]).to(X)
+    return ContextBoTorch(
+        get_net,
+        X,
+        Y,
+        outcome_transform=Standardize(m=1),
+        bounds=unit,
+        n_epochs=cfg.epochs,
+        n_locations=cfg.locations,
+        posthoc_marglik_iters=cfg.marglik_iters,
+        retrain=RetrainSchedule(
+            every=cfg.retrain_every, finetune_epochs=cfg.finetune_epochs
+        ),
+        seed=seed,
+    )
+
+
+def _context(method: str, get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config,
+             seed: int):  # fmt: skip
+    """``ContextBoTorch`` with the flags of ``Context(flag,...)``.
+
+    ``random`` / ``optimised`` / ``observations``: the locations; ``no-retrain``:
+    never retrain (else every ``cfg.retrain_every`` observations);
+    ``finetune``: ``cfg.finetune_epochs`` warm-started epochs after every
+    observation; ``network-mean``: the network's output as the mean (else the
+    dual mean); ``noise``: the observation noise added to every prediction, as
+    laplace-bayesopt's ``LaplaceBoTorch`` does.
+    """
+    from botorch.models.transforms.outcome import Standardize
+
+    from laplace_diffjac.bayesopt import ContextBoTorch, RetrainSchedule
+
+    flags = method[len("Context(") : -1].split(",")
+    unknown = set(flags) - set(CONTEXT_FLAGS)
+    if unknown:
+        raise ValueError(f"unknown flags {sorted(unknown)} in {method!r}")
+    kind = next(f for f in flags if f in ("random", "optimised", "observations"))
+    cls = _NoisyContext() if "noise" in flags else ContextBoTorch
+    retrain = None if "no-retrain" in flags else cfg.retrain_every
+    return cls(
         get_net,
         X,
         Y,
         outcome_transform=Standardize(m=1),
         n_epochs=cfg.epochs,
         n_locations=cfg.locations,
-        locations="optimised" if "optimised" in method else "random",
+        locations=kind,
         bounds=torch.stack([torch.zeros(X.shape[-1]), torch.ones(X.shape[-1])]).to(X),
-        retrain=RetrainSchedule(every=retrain),
+        retrain=RetrainSchedule(
+            every=retrain,
+            finetune_epochs=cfg.finetune_epochs if "finetune" in flags else 0,
+        ),
         location_steps=cfg.location_steps,
         posthoc_marglik_iters=cfg.marglik_iters,
         seed=seed,
+        predictive_mean="network" if "network-mean" in flags else "dual",
     )
-    return _Conditioned(model)
+
+
+def _NoisyContext():
+    """``ContextBoTorch`` whose every prediction includes the observation noise."""
+    from laplace_diffjac.bayesopt import ContextBoTorch
+
+    class NoisyContextBoTorch(ContextBoTorch):
+        def posterior(self, X, output_indices=None, observation_noise=False,
+                      posterior_transform=None, **kwargs):  # fmt: skip
+            return super().posterior(
+                X, output_indices, True, posterior_transform, **kwargs
+            )
+
+    return NoisyContextBoTorch
 
 
 def _acquire(model, best: torch.Tensor, dim: int, cfg: Config) -> torch.Tensor:
@@ -337,7 +447,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS)
     parser.add_argument("--seeds", nargs="+", type=int)
     counts = ("laplace_seeds", "initial", "iterations", "restarts", "raw_samples",
-              "epochs", "locations", "location_steps", "retrain_every")  # fmt: skip
+              "epochs", "locations", "location_steps", "retrain_every",
+              "finetune_epochs")  # fmt: skip
     for field in counts:
         parser.add_argument("--" + field.replace("_", "-"), type=int)
     args = parser.parse_args(argv)

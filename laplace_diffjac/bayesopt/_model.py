@@ -21,7 +21,9 @@ from ._schedule import RetrainSchedule
 from ._surrogate import (
     SurrogateSettings,
     choose_locations,
+    finetune_network,
     fit_posterior,
+    locations_are_observations,
     train_network,
 )
 
@@ -73,14 +75,23 @@ class ContextBoTorch(Model):
         schedule; defaults 1000, 0.1, 1e-3, 10).
     n_locations : int, default=100
         Number ``M`` of context locations.
-    locations : {'optimised', 'random'}, default='optimised'
-        Uniform in ``bounds``, or those moved by ``optimize_locations`` (the
-        Nyström gap) on the observations and ``n_domain`` uniform points.
+    locations : {'observations', 'optimised', 'random'}, default='observations'
+        ``'observations'``: the observations themselves while there are at most
+        ``M`` of them, so that the posterior is the exact GP of the linearised
+        network on them (every new observation becomes a location: the
+        posterior is fitted again, with the hyperparameters of the last
+        training); beyond ``M``, as ``'optimised'``. ``'optimised'``: uniform
+        points of ``bounds`` moved by ``optimize_locations`` (the Nyström gap)
+        on the observations and ``n_domain`` uniform points. ``'random'``:
+        uniform in ``bounds``.
     bounds : torch.Tensor, optional
         ``(2, d)`` box of the (transformed) inputs where locations go; default
         the box of the observations at each training.
-    retrain : RetrainSchedule, default=RetrainSchedule(every=10)
-        When to retrain; ``RetrainSchedule(every=None)``: never.
+    retrain : RetrainSchedule, default=RetrainSchedule()
+        When to retrain from scratch (default every 10 observations) and how
+        many epochs to fine-tune after each observation in between (default
+        50); ``RetrainSchedule(every=None, finetune_epochs=0)``: dual updates
+        only.
     location_steps : int, default=100
         Steps of the location optimiser.
     n_domain : int, default=512
@@ -94,6 +105,16 @@ class ContextBoTorch(Model):
     seed : int, default=0
         Seeds the minibatches and the locations of every training (with the
         number of observations, so each training draws anew).
+    predictive_mean : {'dual', 'network'}, default='dual'
+        ``'dual'``: the linearised network's GP posterior mean (it moves with
+        every observation); ``'network'``: the trained (or fine-tuned) network's
+        output, as ``LaplaceBoTorch``.
+    structured : bool, default=False
+        Compute the kernels from the per-layer factors
+        (:class:`~laplace_diffjac.ContextPosterior`'s ``structured``) instead of
+        the Jacobians. For the small networks and q-batches of BO the Jacobians
+        are cheaper (fewer, larger operations); ``True`` pays off for networks
+        whose Jacobians of a batch are large.
 
     Raises
     ------
@@ -116,7 +137,7 @@ class ContextBoTorch(Model):
         wd: float = 1e-3,
         batch_size: int = 10,
         n_locations: int = 100,
-        locations: str = "optimised",
+        locations: str = "observations",
         bounds: torch.Tensor | None = None,
         retrain: RetrainSchedule | None = None,
         location_steps: int = 100,
@@ -125,12 +146,15 @@ class ContextBoTorch(Model):
         backend: BackendSpec = DiffBackPackGGN,
         device: str | torch.device | None = None,
         seed: int = 0,
+        predictive_mean: str = "dual",
+        structured: bool = False,
     ) -> None:
         super().__init__()
         _check_data(train_X, train_Y, device)
         self._settings = SurrogateSettings(
             get_net, noise_var, n_epochs, lr, wd, batch_size, n_locations, locations,
             bounds, location_steps, n_domain, posthoc_marglik_iters, backend, seed,
+            predictive_mean, structured,
         )  # fmt: skip
         self._schedule = RetrainSchedule() if retrain is None else retrain
         self.orig_train_X, self.orig_train_Y = train_X, train_Y
@@ -220,10 +244,14 @@ class ContextBoTorch(Model):
             new._train()
             return new
         X_t, Y_t = self._transformed(X, Y)
-        posterior = _copy_posterior(self._fit.posterior, self._settings)
-        posterior.update(X_t, Y_t)
         new.train_X = torch.cat([self.train_X, X_t])
         new.train_Y = torch.cat([self.train_Y, Y_t])
+        s, finetune = self._settings, self._schedule.finetune_epochs
+        if finetune > 0 or locations_are_observations(s, len(new.train_X)):
+            posterior = new._refit()
+        else:
+            posterior = _copy_posterior(self._fit.posterior, s)
+            posterior.update(X_t, Y_t)
         new._fit = _Fit(
             posterior,
             self._fit.evidence_per_point,
@@ -236,6 +264,34 @@ class ContextBoTorch(Model):
         ):
             new._train()
         return new
+
+    def _refit(self) -> ContextPosterior:
+        """The posterior on all observations, between trainings.
+
+        The network is fine-tuned first (``finetune_epochs > 0``), the locations
+        become the observations (``locations='observations'`` while they fit) and
+        the hyperparameters and transforms are those of the last training.
+
+        Returns
+        -------
+        ContextPosterior
+
+        """
+        s, epochs = self._settings, self._schedule.finetune_epochs
+        old = self._fit.posterior
+        net = old.model
+        if epochs > 0:
+            seed = s.seed * 100_003 + len(self.train_X) + 7919
+            generator = torch.Generator().manual_seed(seed)
+            net = finetune_network(
+                s, net, self.train_X, self.train_Y, epochs, generator
+            )
+        if locations_are_observations(s, len(self.train_X)):
+            Z = self.train_X.clone()
+        else:
+            Z = old.locations
+        hyperparameters = (old.prior_precision.clone(), old.sigma_noise.clone())
+        return fit_posterior(s, net, Z, self.train_X, self.train_Y, hyperparameters)
 
     def _transformed(
         self, X: torch.Tensor, Y: torch.Tensor
@@ -393,7 +449,8 @@ def _copy_posterior(
         posterior.locations,
         backend=s.backend,
         enable_backprop=True,
-        predictive_mean="dual",
+        predictive_mean=s.predictive_mean,
+        structured=s.structured,
     )
     copied.load_state_dict(posterior.state_dict())
     return copied

@@ -12,13 +12,18 @@ __all__ = ["RetrainSchedule"]
 
 @dataclass(frozen=True)
 class RetrainSchedule:
-    """Retrain the network, the locations and ``δ``/``σ``, or update the posterior.
+    """Retrain the network, the locations and ``δ``/``σ``, fine-tune, or update.
 
-    Between retrainings every new observation is a dual update of the context
-    posterior (its covariance and its dual mean move; the network stays). A
-    retraining trains a fresh network on all observations, chooses the
+    A retraining trains a fresh network on all observations, chooses the
     locations again and tunes ``δ`` (and ``σ``) by the evidence. It happens when
     either condition below holds after the new observations are counted.
+    Between retrainings every new observation fine-tunes the network
+    (``finetune_epochs``) and fits the posterior again, or, with
+    ``finetune_epochs=0``, is a dual update of the context posterior (its
+    covariance and its dual mean move; the network stays). With the
+    observations as locations (``ContextBoTorch(locations='observations')``,
+    while they fit) the posterior is fitted again in any case: the new
+    observation becomes a location.
 
     Attributes
     ----------
@@ -30,17 +35,24 @@ class RetrainSchedule:
         fell by more than this below its value after the last training: the
         network explains the new data worse than the old (``None``: never on
         evidence).
+    finetune_epochs : int, default=50
+        Between retrainings, train the current network this many further epochs
+        on all observations after every new one (warm-started, a tenth of the
+        training's learning rate), then fit the posterior again with the
+        hyperparameters of the last training (``0``: dual updates only, the
+        network fixed).
 
     Raises
     ------
     InvalidInputError
-        On creation, for ``every < 1`` or a negative or non-finite
-        ``evidence_drop``.
+        On creation, for ``every < 1``, a negative or non-finite
+        ``evidence_drop`` or a negative ``finetune_epochs``.
 
     """
 
     every: int | None = 10
     evidence_drop: float | None = None
+    finetune_epochs: int = 50
 
     def __post_init__(self) -> None:
         if self.every is not None and (
@@ -50,6 +62,11 @@ class RetrainSchedule:
             raise InvalidInputError(
                 f"RetrainSchedule.every must be a positive int or None, got "
                 f"{self.every!r}."
+            )
+        epochs = self.finetune_epochs
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise InvalidInputError(
+                f"RetrainSchedule.finetune_epochs must be an int >= 0, got {epochs!r}."
             )
         drop = self.evidence_drop
         if drop is not None and not (math.isfinite(drop) and drop >= 0):

@@ -7,21 +7,29 @@ error, shuffled minibatches), so that the two surrogates see comparable networks
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from ..backends import BackendSpec
 from ..context import ContextPosterior, optimize_locations
 from ..errors import InvalidInputError
 
-__all__ = ["SurrogateSettings", "choose_locations", "fit_posterior", "train_network"]
+__all__ = [
+    "SurrogateSettings",
+    "choose_locations",
+    "finetune_network",
+    "fit_posterior",
+    "locations_are_observations",
+    "train_network",
+]
 
-LOCATION_KINDS = ("random", "optimised")
+LOCATION_KINDS = ("observations", "optimised", "random")
+PREDICTIVE_MEANS = ("dual", "network")
 
 
 @dataclass(frozen=True)
@@ -46,11 +54,19 @@ class SurrogateSettings:
     posthoc_marglik_iters: int
     backend: BackendSpec
     seed: int
+    predictive_mean: str = "dual"
+    structured: bool = False
 
     def __post_init__(self) -> None:
         if self.locations not in LOCATION_KINDS:
             raise InvalidInputError(
-                f"locations must be 'random' or 'optimised', got {self.locations!r}."
+                "locations must be 'observations', 'optimised' or 'random', got "
+                f"{self.locations!r}."
+            )
+        if self.predictive_mean not in PREDICTIVE_MEANS:
+            raise InvalidInputError(
+                "predictive_mean must be 'dual' or 'network', got "
+                f"{self.predictive_mean!r}."
             )
         for name in ("n_epochs", "batch_size", "n_locations", "n_domain"):
             value = getattr(self, name)
@@ -107,25 +123,7 @@ def train_network(
             f"observations are {X.dtype} on {X.device}; return the network in the "
             "observations' dtype and device (BoTorch works in float64: .double())."
         )
-    loader = DataLoader(
-        TensorDataset(X, Y), batch_size=s.batch_size, shuffle=True, generator=generator
-    )
-    optimizer = torch.optim.Adam(net.parameters(), lr=s.lr, weight_decay=s.wd)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, s.n_epochs * len(loader)
-    )
-    loss_fn = nn.MSELoss()
-    net.train()
-    for _ in range(s.n_epochs):
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = loss_fn(net(x), y)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-    net.eval()
-    for p in net.parameters():
-        p.grad = None
+    _train(net, X, Y, s.n_epochs, s.lr, s, generator)
     with torch.no_grad():
         if net(X[:1]).shape[-1] != Y.shape[-1]:
             raise InvalidInputError(
@@ -133,6 +131,97 @@ def train_network(
                 f"observations {Y.shape[-1]} columns; they must agree."
             )
     return net
+
+
+def finetune_network(
+    s: SurrogateSettings,
+    net: nn.Module,
+    X: torch.Tensor,
+    Y: torch.Tensor,
+    epochs: int,
+    generator: torch.Generator,
+) -> nn.Module:
+    """A copy of ``net`` trained further on ``(X, Y)`` for ``epochs`` epochs.
+
+    Warm-started from the current weights with a fresh Adam at a tenth of the
+    training's learning rate (cosine schedule over the fine-tuning's steps), so
+    that the network learns the observations that arrived since it was trained
+    without leaving the minimum it is in.
+
+    Parameters
+    ----------
+    s : SurrogateSettings
+        Training settings.
+    net : torch.nn.Module
+        The current network (not modified).
+    X, Y : torch.Tensor
+        ``(N, d)`` and ``(N, K)`` transformed observations, the new ones included.
+    epochs : int
+        Passes over ``(X, Y)``.
+    generator : torch.Generator
+        Shuffles the minibatches.
+
+    Returns
+    -------
+    torch.nn.Module
+        In eval mode.
+
+    """
+    tuned = copy.deepcopy(net)
+    _train(tuned, X, Y, epochs, s.lr * FINETUNE_LR_FACTOR, s, generator)
+    return tuned
+
+
+#: Fine-tuning's learning rate relative to the training's.
+FINETUNE_LR_FACTOR = 0.1
+
+
+def _train(
+    net: nn.Module,
+    X: torch.Tensor,
+    Y: torch.Tensor,
+    epochs: int,
+    lr: float,
+    s: SurrogateSettings,
+    generator: torch.Generator,
+) -> None:
+    """Adam with weight decay and a cosine schedule on the mean squared error.
+
+    Shuffled minibatches of ``s.batch_size`` (the last one smaller), as a
+    shuffling ``DataLoader`` draws them, indexed directly: a loader collates
+    each minibatch sample by sample, which costs more than the step itself for
+    the small networks and data of BO.
+    """
+    n = X.shape[0]
+    steps_per_epoch = -(-n // s.batch_size)
+    optimizer = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=s.wd)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, max(epochs * steps_per_epoch, 1)
+    )
+    loss_fn = nn.MSELoss()
+    net.train()
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator).to(X.device)
+        for batch in order.split(s.batch_size):
+            optimizer.zero_grad()
+            loss = loss_fn(net(X[batch]), Y[batch])
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+    net.eval()
+    for p in net.parameters():
+        p.grad = None
+
+
+def locations_are_observations(s: SurrogateSettings, n_observations: int) -> bool:
+    """Whether the locations are the observations themselves (exact posterior).
+
+    Returns
+    -------
+    bool
+
+    """
+    return s.locations == "observations" and n_observations <= s.n_locations
 
 
 def _box(s: SurrogateSettings, X: torch.Tensor) -> torch.Tensor:
@@ -147,9 +236,12 @@ def choose_locations(
 ) -> torch.Tensor:
     """``(M, d)`` context locations for the trained network.
 
-    ``'random'``: uniform in the bounds. ``'optimised'``: those, moved by
-    ``optimize_locations`` (the Nyström gap, ``s.location_steps`` steps) on the
-    observations together with ``s.n_domain`` uniform points of the bounds, so
+    ``'observations'``: ``X`` itself while ``N <= s.n_locations`` (the DTC
+    posterior is then the exact GP posterior of the linearised network), else as
+    ``'optimised'``. ``'random'``: uniform in the bounds. ``'optimised'``: those,
+    moved by ``optimize_locations`` (the Nyström gap, ``s.location_steps``
+    steps) on the observations together with ``s.n_domain`` uniform points of
+    the bounds, so
     that the locations serve the whole domain where later observations and the
     acquisition's queries fall, not only the observations so far. The gap's
     minimiser does not depend on a scalar ``δ`` or ``σ`` (they scale it), so
@@ -160,6 +252,8 @@ def choose_locations(
     torch.Tensor
 
     """
+    if locations_are_observations(s, X.shape[0]):
+        return X.clone()
     lo, hi = _box(s, X)
     d = X.shape[-1]
     uniform = torch.rand(s.n_locations, d, generator=generator, dtype=X.dtype)
@@ -188,11 +282,14 @@ def fit_posterior(
     Z: torch.Tensor,
     X: torch.Tensor,
     Y: torch.Tensor,
+    hyperparameters: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> ContextPosterior:
-    """The context posterior with the dual mean on ``(X, Y)``, ``δ``/``σ`` tuned.
+    """The context posterior on ``(X, Y)``, ``δ``/``σ`` tuned or given.
 
     ``δ`` and (with ``noise_var=None``) ``σ`` maximise the evidence bound (Adam,
-    ``s.posthoc_marglik_iters`` steps, as laplace-bayesopt's post-hoc tuning).
+    ``s.posthoc_marglik_iters`` steps, as laplace-bayesopt's post-hoc tuning),
+    unless ``hyperparameters`` (prior precision, ``σ``) are given: a refit
+    between trainings keeps those of the last training.
 
     Returns
     -------
@@ -207,8 +304,12 @@ def fit_posterior(
         sigma_noise=sigma,
         backend=s.backend,
         enable_backprop=True,
-        predictive_mean="dual",
+        predictive_mean=s.predictive_mean,
+        structured=s.structured,
     ).fit((X, Y))
+    if hyperparameters is not None:
+        posterior.prior_precision, posterior.sigma_noise = hyperparameters
+        return posterior
     if s.posthoc_marglik_iters > 0:
         posterior.optimize_prior_precision(
             method="marglik",

@@ -1,0 +1,41 @@
+"""benchmarks/bayesopt/same_network.py runs in quick mode and reports every surrogate.
+
+No timing or value is asserted beyond sanity: each surrogate is measured on the
+one network, with finite predictive log likelihoods and a pick inside the cube.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("laplace_bayesopt")
+pytest.importorskip("botorch")
+
+ROOT = Path(__file__).resolve().parents[2]
+SURROGATES = 7
+
+
+@pytest.mark.slow
+def test_quick_same_network_benchmark_reports_every_surrogate(tmp_path: Path) -> None:
+    script = ROOT / "benchmarks/bayesopt/same_network.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "same_network.json").read_text())["rows"]
+    assert len({r["surrogate"] for r in rows}) == SURROGATES == len(rows)
+    for r in rows:
+        assert math.isfinite(r["nll"]) and math.isfinite(r["pick_value"])
+        assert r["sd_inside"] > 0 and r["sd_corners"] > 0
+    text = (tmp_path / "SAME_NETWORK.md").read_text()
+    assert text.count("| branin |") == SURROGATES
