@@ -1,12 +1,14 @@
 """Bayesian optimisation: ContextBoTorch beside SingleTaskGP and LaplaceBoTorch.
 
-BoTorch's Branin (2-D), Hartmann (6-D) and Ackley (10-D), negated (maximised), in
-the unit cube (each function's box mapped linearly); per seed a scrambled Sobol
-design of ``--initial`` points, shared by every method, then ``--iterations`` steps
-of log expected improvement (``LogExpectedImprovement``, ``best_f`` the best
-observation so far), ``optimize_acqf`` with ``q = 1``, ``--restarts`` restarts
-from ``--raw-samples`` raw samples (the same for every method). Noise-free
-observations. Each method's surrogate:
+BoTorch's Branin (2-D), Hartmann (6-D), Ackley (10-D), Rosenbrock (4-D),
+Styblinski-Tang (8-D), Michalewicz (5-D) and Griewank (20-D), negated
+(maximised), in the unit cube (each function's box mapped linearly); per seed a
+scrambled Sobol design of ``--initial`` points, shared by every method, then
+``--iterations`` steps of log expected improvement (``best_f`` the best
+observation so far; ``LogExpectedImprovement`` for ``--q 1``, Monte-Carlo
+``qLogExpectedImprovement`` for a batch of ``--q`` points per step),
+``optimize_acqf`` with ``--restarts`` restarts from ``--raw-samples`` raw samples
+(the same for every method). Noise-free observations. Each method's surrogate:
 
 * ``SingleTaskGP``: BoTorch's standard (``Standardize`` outcomes, its default
   priors, ``fit_gpytorch_mll``), refitted on all data every iteration;
@@ -82,6 +84,8 @@ METHODS = (
     "Context(observations,finetune,noise)",
     "Context(observations,finetune,network-mean)",
     "Context(observations,finetune,no-retrain)",
+    "Context(observations,finetune,residual-mean)",
+    "Context(observations,finetune,residual-noise)",
 )
 #: The flags a ``Context(...)`` method may combine (see ``_context``).
 CONTEXT_FLAGS = (
@@ -91,6 +95,8 @@ CONTEXT_FLAGS = (
     "no-retrain",
     "finetune",
     "network-mean",
+    "residual-mean",
+    "residual-noise",
     "noise",
 )
 #: laplace-bayesopt retrains its network for every observation; see ``--laplace-seeds``.
@@ -107,6 +113,7 @@ class Config:
     laplace_seeds: int = 5
     initial: int = 10
     iterations: int = 50
+    q: int = 1
     restarts: int = 5
     raw_samples: int = 256
     epochs: int = 1000
@@ -268,9 +275,11 @@ def _context(method: str, get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config
     ``random`` / ``optimised`` / ``observations``: the locations; ``no-retrain``:
     never retrain (else every ``cfg.retrain_every`` observations);
     ``finetune``: ``cfg.finetune_epochs`` warm-started epochs after every
-    observation; ``network-mean``: the network's output as the mean (else the
-    dual mean); ``noise``: the observation noise added to every prediction, as
-    laplace-bayesopt's ``LaplaceBoTorch`` does.
+    observation; ``network-mean``: the network's output as the mean,
+    ``residual-mean``: the network plus the GP's correction of its residuals
+    (else the dual mean); ``residual-noise``: ``σ²`` the network's mean squared
+    residual (else learned by the evidence); ``noise``: the observation noise
+    added to every prediction, as laplace-bayesopt's ``LaplaceBoTorch`` does.
     """
     from botorch.models.transforms.outcome import Standardize
 
@@ -299,8 +308,15 @@ def _context(method: str, get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config
         location_steps=cfg.location_steps,
         posthoc_marglik_iters=cfg.marglik_iters,
         seed=seed,
-        predictive_mean="network" if "network-mean" in flags else "dual",
+        predictive_mean=_mean(flags),
+        noise_var="residuals" if "residual-noise" in flags else None,
     )
+
+
+def _mean(flags: list[str]) -> str:
+    if "network-mean" in flags:
+        return "network"
+    return "residual" if "residual-mean" in flags else "dual"
 
 
 def _NoisyContext():
@@ -318,13 +334,17 @@ def _NoisyContext():
 
 
 def _acquire(model, best: torch.Tensor, dim: int, cfg: Config) -> torch.Tensor:
-    from botorch.acquisition import LogExpectedImprovement
+    """``(q, dim)`` points that maximise log expected improvement."""
+    from botorch.acquisition import LogExpectedImprovement, qLogExpectedImprovement
     from botorch.optim import optimize_acqf
 
     bounds = torch.stack([torch.zeros(dim), torch.ones(dim)]).double()
-    acqf = LogExpectedImprovement(model, best_f=best)
+    if cfg.q == 1:
+        acqf = LogExpectedImprovement(model, best_f=best)
+    else:
+        acqf = qLogExpectedImprovement(model, best_f=best)
     candidate, _ = optimize_acqf(
-        acqf, bounds, q=1, num_restarts=cfg.restarts, raw_samples=cfg.raw_samples
+        acqf, bounds, q=cfg.q, num_restarts=cfg.restarts, raw_samples=cfg.raw_samples
     )
     return candidate.detach()
 
@@ -362,6 +382,7 @@ def run_task(function: str, method: str, seed: int, cfg: Config) -> dict:
         "function": function,
         "method": method,
         "seed": seed,
+        "q": cfg.q,
         "optimum": optimum,
         "best": best,
         "regret": [optimum - b for b in best],
@@ -446,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--functions", nargs="+", choices=FUNCTIONS)
     parser.add_argument("--methods", nargs="+", choices=METHODS)
     parser.add_argument("--seeds", nargs="+", type=int)
-    counts = ("laplace_seeds", "initial", "iterations", "restarts", "raw_samples",
+    counts = ("laplace_seeds", "initial", "iterations", "q", "restarts", "raw_samples",
               "epochs", "locations", "location_steps", "retrain_every",
               "finetune_epochs")  # fmt: skip
     for field in counts:

@@ -10,6 +10,8 @@ from collections import defaultdict
 from typing import Any
 
 REFERENCE = "LaplaceBoTorch"
+#: The headline table's methods: the two references and the package's defaults.
+HEADLINE = ("SingleTaskGP", "LaplaceBoTorch", "ContextBoTorch")
 
 
 def load(out: pathlib.Path) -> list[dict]:
@@ -96,6 +98,45 @@ def _no_worse(ours: dict, ref: dict) -> bool:
     return ours["final_regret_mean"] <= ref["final_regret_mean"] + se
 
 
+def headline(table: dict) -> list[str]:
+    """Markdown lines: final regret of ``HEADLINE``'s methods per function.
+
+    Each cell is the mean ± standard error (seeds) and, for the neural
+    surrogates, the time per iteration relative to ``LaplaceBoTorch``; the best
+    mean per function is bold.
+    """
+    lines = [
+        "## Headline",
+        "",
+        "Final simple regret, mean ± standard error (seeds); time per iteration "
+        "relative to LaplaceBoTorch's; bold: the lowest mean.",
+        "",
+        "| function | " + " | ".join(HEADLINE) + " |",
+        "|---|" + "---|" * len(HEADLINE),
+    ]
+    for function, per in table.items():
+        present = [m for m in HEADLINE if m in per]
+        if not present:
+            continue
+        best = min(per[m]["final_regret_mean"] for m in present)
+        ref = per.get(REFERENCE)
+        cells = []
+        for method in HEADLINE:
+            if method not in per:
+                cells.append("–")
+                continue
+            a = per[method]
+            mean = _fmt(a["final_regret_mean"])
+            text = f"**{mean}**" if a["final_regret_mean"] == best else mean
+            text += f" ± {_fmt(a['final_regret_se'])} ({len(a['seeds'])})"
+            if ref is not None and method != "SingleTaskGP":
+                ratio = a["s_per_iteration"] / ref["s_per_iteration"]
+                text += f", {ratio:.2f}× time"
+            cells.append(text)
+        lines.append(f"| {function} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def _fmt(x: float) -> str:
     if math.isnan(x):
         return "–"
@@ -112,6 +153,7 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
             "one thread"
         )
     lines += ["", "Settings: `run.json` and `benchmarks/bayesopt/bayesopt.py`.", ""]
+    lines += headline(table)
     lines += [
         "Simple regret after the last iteration (optimum minus the best value "
         "observed), mean ± standard error over seeds; seconds per iteration are "

@@ -67,8 +67,10 @@ class ContextBoTorch(Model):
     outcome_transform : botorch OutcomeTransform, optional
         E.g. ``Standardize(m=K)``; fitted at each training, fixed in between
         (new observations are transformed with the statistics of the training).
-    noise_var : float, optional
-        Observation-noise variance in the transformed outcome space; ``None``:
+    noise_var : float or 'residuals', optional
+        Observation-noise variance in the transformed outcome space;
+        ``'residuals'``: at each training the trained network's mean squared
+        residual on the observations (its maximum-likelihood noise); ``None``:
         learned by the evidence with ``δ``.
     n_epochs, lr, wd, batch_size
         Network training as laplace-bayesopt's (Adam, weight decay, cosine
@@ -105,10 +107,14 @@ class ContextBoTorch(Model):
     seed : int, default=0
         Seeds the minibatches and the locations of every training (with the
         number of observations, so each training draws anew).
-    predictive_mean : {'dual', 'network'}, default='dual'
-        ``'dual'``: the linearised network's GP posterior mean (it moves with
-        every observation); ``'network'``: the trained (or fine-tuned) network's
-        output, as ``LaplaceBoTorch``.
+    predictive_mean : {'residual', 'dual', 'network'}, default='dual'
+        ``'residual'``: the network plus the linearised GP's correction of its
+        residuals (the dual mean with the prior centred at the trained weights,
+        ``δ`` and ``σ`` tuned with the prior at zero): the network far from the
+        observations. ``'dual'``: the linearised network's GP posterior mean
+        with the prior at zero; far from the observations it is
+        ``f(x) − J(x) θ*``, not the network. ``'network'``: the trained (or
+        fine-tuned) network's output, as ``LaplaceBoTorch``.
     structured : bool, default=False
         Compute the kernels from the per-layer factors
         (:class:`~laplace_diffjac.ContextPosterior`'s ``structured``) instead of
@@ -131,7 +137,7 @@ class ContextBoTorch(Model):
         train_Y: torch.Tensor,
         input_transform: nn.Module | None = None,
         outcome_transform: OutcomeTransform | None = None,
-        noise_var: float | None = None,
+        noise_var: float | str | None = None,
         n_epochs: int = 1000,
         lr: float = 1e-1,
         wd: float = 1e-3,
@@ -449,7 +455,7 @@ def _copy_posterior(
         posterior.locations,
         backend=s.backend,
         enable_backprop=True,
-        predictive_mean=s.predictive_mean,
+        predictive_mean="network" if s.predictive_mean == "network" else "dual",
         structured=s.structured,
     )
     copied.load_state_dict(posterior.state_dict())

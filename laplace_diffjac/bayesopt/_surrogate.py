@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 LOCATION_KINDS = ("observations", "optimised", "random")
-PREDICTIVE_MEANS = ("dual", "network")
+PREDICTIVE_MEANS = ("dual", "network", "residual")
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class SurrogateSettings:
     """
 
     get_net: Callable[[], nn.Module]
-    noise_var: float | None
+    noise_var: float | str | None
     n_epochs: int
     lr: float
     wd: float
@@ -65,7 +65,7 @@ class SurrogateSettings:
             )
         if self.predictive_mean not in PREDICTIVE_MEANS:
             raise InvalidInputError(
-                "predictive_mean must be 'dual' or 'network', got "
+                "predictive_mean must be 'residual', 'dual' or 'network', got "
                 f"{self.predictive_mean!r}."
             )
         for name in ("n_epochs", "batch_size", "n_locations", "n_domain"):
@@ -78,12 +78,21 @@ class SurrogateSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}.")
-        if self.noise_var is not None and not (
-            math.isfinite(self.noise_var) and self.noise_var > 0
+        noise = self.noise_var
+        if (
+            noise is not None
+            and noise != "residuals"
+            and not (
+                isinstance(noise, (int, float))
+                and not isinstance(noise, bool)
+                and math.isfinite(noise)
+                and noise > 0
+            )
         ):
             raise InvalidInputError(
-                f"noise_var must be a positive number or None (learned by the "
-                f"evidence), got {self.noise_var!r}."
+                "noise_var must be a positive number, 'residuals' (the network's "
+                "mean squared residual) or None (learned by the evidence), got "
+                f"{noise!r}."
             )
 
 
@@ -287,16 +296,65 @@ def fit_posterior(
     """The context posterior on ``(X, Y)``, ``δ``/``σ`` tuned or given.
 
     ``δ`` and (with ``noise_var=None``) ``σ`` maximise the evidence bound (Adam,
-    ``s.posthoc_marglik_iters`` steps, as laplace-bayesopt's post-hoc tuning),
-    unless ``hyperparameters`` (prior precision, ``σ``) are given: a refit
-    between trainings keeps those of the last training.
+    ``s.posthoc_marglik_iters`` steps, as laplace-bayesopt's post-hoc tuning) of
+    the posterior with the prior mean ``μ₀ = 0`` (``noise_var='residuals'``:
+    ``σ²`` is the network's mean squared residual on ``(X, Y)``, its
+    maximum-likelihood noise, and only ``δ`` is tuned), unless ``hyperparameters``
+    (prior precision, ``σ``) are given: a refit between trainings keeps those
+    of the last training. With ``s.predictive_mean == 'residual'`` the returned
+    posterior has the prior centred at the trained weights, ``μ₀ = θ*``, so that
+    its dual mean is the network plus the GP's correction of its residuals
+    (the evidence is not tuned there: without the ``‖θ* − μ₀‖²`` term it would
+    send ``δ`` to infinity).
 
     Returns
     -------
     ContextPosterior
 
     """
-    sigma = 1.0 if s.noise_var is None else math.sqrt(s.noise_var)
+    if hyperparameters is None:
+        tuned = _posterior(s, net, Z, X, Y, centred=False)
+        if s.posthoc_marglik_iters > 0:
+            tuned.optimize_prior_precision(
+                method="marglik",
+                n_steps=s.posthoc_marglik_iters,
+                learn_sigma_noise=s.noise_var is None,
+            )
+        if s.predictive_mean != "residual":
+            return tuned
+        hyperparameters = (tuned.prior_precision, tuned.sigma_noise)
+    posterior = _posterior(s, net, Z, X, Y, centred=s.predictive_mean == "residual")
+    posterior.prior_precision, posterior.sigma_noise = hyperparameters
+    return posterior
+
+
+def _initial_sigma(
+    s: SurrogateSettings, net: nn.Module, X: torch.Tensor, Y: torch.Tensor
+) -> float:
+    """``σ`` given (``noise_var``), the residuals' root mean square, or 1."""
+    if s.noise_var is None:
+        return 1.0
+    if s.noise_var == "residuals":
+        with torch.no_grad():
+            mse = float(((net(X) - Y) ** 2).mean())
+        return math.sqrt(max(mse, NOISE_FLOOR))
+    return math.sqrt(float(s.noise_var))
+
+
+#: The smallest ``σ²`` that ``noise_var='residuals'`` takes (standardised units).
+NOISE_FLOOR = 1e-6
+
+
+def _posterior(
+    s: SurrogateSettings,
+    net: nn.Module,
+    Z: torch.Tensor,
+    X: torch.Tensor,
+    Y: torch.Tensor,
+    centred: bool,
+) -> ContextPosterior:
+    """A fitted posterior; ``centred``: its prior mean at the trained weights."""
+    sigma = _initial_sigma(s, net, X, Y)
     posterior = ContextPosterior(
         net,
         "regression",
@@ -304,16 +362,9 @@ def fit_posterior(
         sigma_noise=sigma,
         backend=s.backend,
         enable_backprop=True,
-        predictive_mean=s.predictive_mean,
+        predictive_mean="network" if s.predictive_mean == "network" else "dual",
         structured=s.structured,
-    ).fit((X, Y))
-    if hyperparameters is not None:
-        posterior.prior_precision, posterior.sigma_noise = hyperparameters
-        return posterior
-    if s.posthoc_marglik_iters > 0:
-        posterior.optimize_prior_precision(
-            method="marglik",
-            n_steps=s.posthoc_marglik_iters,
-            learn_sigma_noise=s.noise_var is None,
-        )
-    return posterior
+    )
+    if centred:
+        posterior.prior_mean = posterior.mean.clone()
+    return posterior.fit((X, Y))
