@@ -150,7 +150,7 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
         lines.append(
             f"* `{r['command']}`: started {r['start']} UTC, {r['tasks_run']} tasks, "
             f"{r['wall_s'] / 60:.1f} min wall, {r['workers']} worker process(es) of "
-            "one thread"
+            "one thread" + (f" ({r['note']})" if r.get("note") else "")
         )
     lines += ["", "Settings: `run.json` and `benchmarks/bayesopt/bayesopt.py`.", ""]
     lines += headline(table)
@@ -196,7 +196,8 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
 
 
 def plot(table: dict, out: pathlib.Path) -> None:
-    """``regret.png`` (all functions) and ``regret_<function>.png``."""
+    """``regret.png`` (all functions), ``regret_headline.png`` (all functions,
+    ``HEADLINE``'s methods) and ``regret_<function>.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,6 +217,22 @@ def plot(table: dict, out: pathlib.Path) -> None:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "regret.png", dpi=110)
+    plt.close(fig)
+    # The headline methods only, every function: the figure the docs show.
+    cols = min(4, len(functions))
+    rows = math.ceil(len(functions) / cols)
+    fig, grid = plt.subplots(
+        rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False
+    )
+    axes = list(grid.flat)
+    for ax, function in zip(axes, functions):
+        per = {m: a for m, a in table[function].items() if m in HEADLINE}
+        _panel(ax, function, per)
+    for ax in axes[len(functions) :]:
+        ax.axis("off")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "regret_headline.png", dpi=110)
     plt.close(fig)
 
 

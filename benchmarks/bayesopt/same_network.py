@@ -53,7 +53,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 class Settings:
     """The run's settings (recorded in the results)."""
 
-    functions: tuple[str, ...] = ("branin", "hartmann", "ackley")
+    functions: tuple[str, ...] = ("branin", "hartmann", "ackley", "rosenbrock")
     seeds: tuple[int, ...] = (0, 1, 2)
     initial: int = 30
     test: int = 1000
@@ -102,7 +102,9 @@ class _Fixed:
                 dist = MultivariateNormal(mean[..., 0], DenseLinearOperator(cov))
                 return transform.untransform_posterior(GPyTorchPosterior(dist))
 
-        return FixedPosteriorModel()
+        model = FixedPosteriorModel()
+        model.context_posterior = posterior
+        return model
 
 
 def _surrogates(net, lbt, X, Y, s: Settings, seed: int) -> dict:
@@ -144,6 +146,15 @@ def _surrogates(net, lbt, X, Y, s: Settings, seed: int) -> dict:
         "exact + noise": _Fixed(exact_own, transform, True),
         f"optimised {s.locations}": _Fixed(optimised, transform, False),
         f"optimised {s.locations} + noise": _Fixed(optimised, transform, True),
+    }
+
+
+def _hyperparameters(model) -> dict:
+    """The prior precision ``δ`` and noise ``σ`` of a surrogate's posterior."""
+    posterior = model.bnn if hasattr(model, "bnn") else model.context_posterior
+    return {
+        "delta": float(posterior.prior_precision),
+        "sigma": float(posterior.sigma_noise),
     }
 
 
@@ -219,6 +230,7 @@ def run_case(function: str, seed: int, s: Settings) -> list[dict]:
     for name, model in _surrogates(net, lbt, X, Y_t, s, seed).items():
         t = time.process_time()
         row = _measure(model, Y.max(), X_test, f_test, corners, problem, s)
+        row.update(_hyperparameters(model))
         row.update(function=function, seed=seed, surrogate=name,
                    measure_s=time.process_time() - t)  # fmt: skip
         rows.append(row)
@@ -238,11 +250,12 @@ def report(rows: list[dict], s: Settings) -> str:
         "function standardised); ρ: Spearman's rank correlation of the mean "
         "with the function; mean and sd at the cube's corners against the "
         "uniform points (in the function's units); the acquisition's pick: its "
-        "true value and the share of seeds in which it is a corner.",
+        "true value and the share of seeds in which it is a corner; the "
+        "posterior's prior precision δ and noise σ (standardised units).",
         "",
         "| function | surrogate | NLL | ρ | mean inside | mean corners | "
-        "sd inside | sd corners | pick value | pick at a corner |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "sd inside | sd corners | pick value | pick at a corner | δ | σ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(r["function"], r["surrogate"]) for r in rows},
                   key=lambda k: (s.functions.index(k[0]), k[1]))  # fmt: skip
@@ -256,7 +269,8 @@ def report(rows: list[dict], s: Settings) -> str:
             f"| {function} | {name} | {m('nll'):.3g} | {m('spearman'):.2f} | "
             f"{m('mean_inside'):.3g} | {m('mean_corners'):.3g} | "
             f"{m('sd_inside'):.3g} | {m('sd_corners'):.3g} | "
-            f"{m('pick_value'):.3g} | {m('pick_is_corner'):.0%} |"
+            f"{m('pick_value'):.3g} | {m('pick_is_corner'):.0%} | "
+            f"{m('delta'):.3g} | {m('sigma'):.3g} |"
         )
     return "\n".join(lines) + "\n"
 
