@@ -3,9 +3,10 @@
 >>> from laplace_diffjac.bayesopt import ContextBoTorch, RetrainSchedule
 
 :class:`ContextBoTorch` is a BoTorch ``Model``: the context posterior of a trained
-network with the dual mean, joint over q-batches and differentiable in the
-query points; new observations are dual updates (no retraining) between the
-retrainings of a :class:`RetrainSchedule`.
+network (by default exact on the observations) with the dual mean, joint over
+q-batches and differentiable in the query points; between the retrainings of a
+:class:`RetrainSchedule` new observations fine-tune the network and refit the
+posterior, or are dual updates (``finetune_epochs=0``).
 """
 
 try:

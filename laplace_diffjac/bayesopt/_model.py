@@ -41,16 +41,18 @@ class _Fit:
 
 
 class ContextBoTorch(Model):
-    """BoTorch surrogate: the context posterior of a trained network, dual updates.
+    """BoTorch surrogate: the context posterior of a trained network.
 
     ``posterior(X)`` is the linearised network's GP through ``M`` context
-    locations (:class:`~laplace_diffjac.ContextPosterior` with
-    ``predictive_mean='dual'``): joint over each q-batch, differentiable in
-    ``X`` through the graph-connected Jacobians. ``condition_on_observations``
-    folds new observations into the posterior's sums (a dual update: mean and
-    covariance move, the network does not) and retrains on the ``retrain``
-    schedule: a fresh network on all observations, new locations, ``δ`` and
-    ``σ`` by the evidence. laplace-bayesopt's ``LaplaceBoTorch`` retrains on
+    locations (:class:`~laplace_diffjac.ContextPosterior`; by default the
+    observations themselves, so that it is exact, and the dual mean): joint over
+    each q-batch, differentiable in ``X`` through the graph-connected
+    Jacobians. ``condition_on_observations`` follows the ``retrain`` schedule:
+    a retraining (a fresh network on all observations, new locations, ``δ`` and
+    ``σ`` by the evidence), or, in between, a fine-tuning of the network and a
+    new fit of the posterior (the default), or a dual update (the new
+    observations folded into the posterior's sums: mean and covariance move,
+    the network does not). laplace-bayesopt's ``LaplaceBoTorch`` retrains on
     every observation.
 
     Parameters
