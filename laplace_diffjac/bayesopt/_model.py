@@ -24,6 +24,7 @@ from ._surrogate import (
     finetune_network,
     fit_posterior,
     locations_are_observations,
+    posterior_mean_kind,
     train_network,
 )
 
@@ -457,7 +458,7 @@ def _copy_posterior(
         posterior.locations,
         backend=s.backend,
         enable_backprop=True,
-        predictive_mean="network" if s.predictive_mean == "network" else "dual",
+        predictive_mean=posterior_mean_kind(s),
         structured=s.structured,
     )
     copied.load_state_dict(posterior.state_dict())

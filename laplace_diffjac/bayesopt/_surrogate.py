@@ -25,6 +25,7 @@ __all__ = [
     "finetune_network",
     "fit_posterior",
     "locations_are_observations",
+    "posterior_mean_kind",
     "train_network",
 ]
 
@@ -198,8 +199,8 @@ def _train(
 
     Shuffled minibatches of ``s.batch_size`` (the last one smaller), as a
     shuffling ``DataLoader`` draws them, indexed directly: a loader collates
-    each minibatch sample by sample, which costs more than the step itself for
-    the small networks and data of BO.
+    each minibatch sample by sample, a noticeable share of a step for the small
+    networks and data of BO.
     """
     n = X.shape[0]
     steps_per_epoch = -(-n // s.batch_size)
@@ -328,6 +329,20 @@ def fit_posterior(
     return posterior
 
 
+def posterior_mean_kind(s: SurrogateSettings) -> str:
+    """The :class:`ContextPosterior` ``predictive_mean`` for ``s.predictive_mean``.
+
+    ``'residual'`` is the posterior's dual mean with its prior centred at the
+    trained weights.
+
+    Returns
+    -------
+    str
+
+    """
+    return "network" if s.predictive_mean == "network" else "dual"
+
+
 def _initial_sigma(
     s: SurrogateSettings, net: nn.Module, X: torch.Tensor, Y: torch.Tensor
 ) -> float:
@@ -362,7 +377,7 @@ def _posterior(
         sigma_noise=sigma,
         backend=s.backend,
         enable_backprop=True,
-        predictive_mean="network" if s.predictive_mean == "network" else "dual",
+        predictive_mean=posterior_mean_kind(s),
         structured=s.structured,
     )
     if centred:
