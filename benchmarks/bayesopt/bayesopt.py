@@ -86,6 +86,9 @@ METHODS = (
     "Context(observations,finetune,no-retrain)",
     "Context(observations,finetune,residual-mean)",
     "Context(observations,finetune,residual-noise)",
+    "Context(observations,finetune,kron-evidence)",
+    "Context(observations,finetune,kron-evidence,network-mean)",
+    "Context(observations,finetune,kron-evidence,residual-mean)",
 )
 #: The flags a ``Context(...)`` method may combine (see ``_context``).
 CONTEXT_FLAGS = (
@@ -97,6 +100,7 @@ CONTEXT_FLAGS = (
     "network-mean",
     "residual-mean",
     "residual-noise",
+    "kron-evidence",
     "noise",
 )
 #: laplace-bayesopt retrains its network for every observation; see ``--laplace-seeds``.
@@ -310,6 +314,7 @@ def _context(method: str, get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config
         seed=seed,
         predictive_mean=_mean(flags),
         noise_var="residuals" if "residual-noise" in flags else None,
+        evidence="kron" if "kron-evidence" in flags else "exact",
     )
 
 

@@ -45,16 +45,18 @@ class ContextBoTorch(Model):
     """BoTorch surrogate: the context posterior of a trained network.
 
     ``posterior(X)`` is the linearised network's GP through ``M`` context
-    locations (:class:`~laplace_diffjac.ContextPosterior`; by default the
-    observations themselves, so that it is exact, and the dual mean): joint over
-    each q-batch, differentiable in ``X`` through the graph-connected
-    Jacobians. ``condition_on_observations`` follows the ``retrain`` schedule:
-    a retraining (a fresh network on all observations, new locations, ``δ`` and
-    ``σ`` by the evidence), or, in between, a fine-tuning of the network and a
-    new fit of the posterior (the default), or a dual update (the new
-    observations folded into the posterior's sums: mean and covariance move,
-    the network does not). laplace-bayesopt's ``LaplaceBoTorch`` retrains on
-    every observation.
+    locations (:class:`~laplace_diffjac.ContextPosterior`): joint over each
+    q-batch, differentiable in ``X`` through the graph-connected Jacobians. By
+    default it has ``LaplaceBoTorch``'s mean (the network) and hyperparameters
+    (``δ`` and ``σ`` by laplace-torch's KFAC evidence), and the exact GGN
+    covariance (the locations are the observations) where ``LaplaceBoTorch``
+    has KFAC's. ``condition_on_observations`` follows the ``retrain``
+    schedule: a retraining (a fresh network on all observations, new locations,
+    ``δ`` and ``σ`` by the evidence), or, in between, a fine-tuning of the
+    network and a new fit of the posterior (the default), or a dual update (the
+    new observations folded into the posterior's sums: mean and covariance
+    move, the network does not; with ``predictive_mean='dual'`` the mean moves
+    too). laplace-bayesopt's ``LaplaceBoTorch`` retrains on every observation.
 
     Parameters
     ----------
@@ -110,20 +112,28 @@ class ContextBoTorch(Model):
     seed : int, default=0
         Seeds the minibatches and the locations of every training (with the
         number of observations, so each training draws anew).
-    predictive_mean : {'residual', 'dual', 'network'}, default='dual'
-        ``'residual'``: the network plus the linearised GP's correction of its
-        residuals (the dual mean with the prior centred at the trained weights,
-        ``δ`` and ``σ`` tuned with the prior at zero): the network far from the
-        observations. ``'dual'``: the linearised network's GP posterior mean
-        with the prior at zero; far from the observations it is
-        ``f(x) − J(x) θ*``, not the network. ``'network'``: the trained (or
-        fine-tuned) network's output, as ``LaplaceBoTorch``.
+    predictive_mean : {'network', 'residual', 'dual'}, default='network'
+        ``'network'``: the trained (or fine-tuned) network's output, as
+        ``LaplaceBoTorch``. ``'residual'``: the network plus the linearised
+        GP's correction of its residuals (the dual mean with the prior centred
+        at the trained weights, ``δ`` and ``σ`` tuned with the prior at zero):
+        the network far from the observations. ``'dual'``: the linearised
+        network's GP posterior mean with the prior at zero; far from the
+        observations it is ``f(x) − J(x) θ*``, not the network.
     structured : bool, default=False
         Compute the kernels from the per-layer factors
         (:class:`~laplace_diffjac.ContextPosterior`'s ``structured``) instead of
         the Jacobians. For the small networks and q-batches of BO the Jacobians
         are cheaper (fewer, larger operations); ``True`` pays off for networks
         whose Jacobians of a batch are large.
+    evidence : {'kron', 'exact'}, default='kron'
+        The evidence whose maximum gives ``δ`` and ``σ`` at each training:
+        ``'kron'``, laplace-torch's KFAC Laplace evidence, as ``LaplaceBoTorch``
+        tunes them; ``'exact'``, the context posterior's (the exact GGN
+        evidence while the locations are the observations). On the same
+        network the exact evidence picks a smaller ``δ`` (a wider prior) and a
+        larger ``σ``, and BO then explores more and finds worse points
+        (``benchmarks/bayesopt``).
 
     Raises
     ------
@@ -155,15 +165,16 @@ class ContextBoTorch(Model):
         backend: BackendSpec = DiffBackPackGGN,
         device: str | torch.device | None = None,
         seed: int = 0,
-        predictive_mean: str = "dual",
+        predictive_mean: str = "network",
         structured: bool = False,
+        evidence: str = "kron",
     ) -> None:
         super().__init__()
         _check_data(train_X, train_Y, device)
         self._settings = SurrogateSettings(
             get_net, noise_var, n_epochs, lr, wd, batch_size, n_locations, locations,
             bounds, location_steps, n_domain, posthoc_marglik_iters, backend, seed,
-            predictive_mean, structured,
+            predictive_mean, structured, evidence,
         )  # fmt: skip
         self._schedule = RetrainSchedule() if retrain is None else retrain
         self.orig_train_X, self.orig_train_Y = train_X, train_Y

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +25,7 @@ __all__ = [
     "choose_locations",
     "finetune_network",
     "fit_posterior",
+    "kron_hyperparameters",
     "locations_are_observations",
     "posterior_mean_kind",
     "train_network",
@@ -31,6 +33,7 @@ __all__ = [
 
 LOCATION_KINDS = ("observations", "optimised", "random")
 PREDICTIVE_MEANS = ("dual", "network", "residual")
+EVIDENCES = ("exact", "kron")
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ class SurrogateSettings:
     posthoc_marglik_iters: int
     backend: BackendSpec
     seed: int
-    predictive_mean: str = "dual"
+    predictive_mean: str = "network"
     structured: bool = False
+    evidence: str = "kron"
 
     def __post_init__(self) -> None:
         if self.locations not in LOCATION_KINDS:
@@ -68,6 +72,10 @@ class SurrogateSettings:
             raise InvalidInputError(
                 "predictive_mean must be 'residual', 'dual' or 'network', got "
                 f"{self.predictive_mean!r}."
+            )
+        if self.evidence not in EVIDENCES:
+            raise InvalidInputError(
+                f"evidence must be 'exact' or 'kron', got {self.evidence!r}."
             )
         for name in ("n_epochs", "batch_size", "n_locations", "n_domain"):
             value = getattr(self, name)
@@ -296,9 +304,12 @@ def fit_posterior(
 ) -> ContextPosterior:
     """The context posterior on ``(X, Y)``, ``δ``/``σ`` tuned or given.
 
-    ``δ`` and (with ``noise_var=None``) ``σ`` maximise the evidence bound (Adam,
-    ``s.posthoc_marglik_iters`` steps, as laplace-bayesopt's post-hoc tuning) of
-    the posterior with the prior mean ``μ₀ = 0`` (``noise_var='residuals'``:
+    ``δ`` and (with ``noise_var=None``) ``σ`` maximise an evidence (Adam,
+    ``s.posthoc_marglik_iters`` steps, as laplace-bayesopt's post-hoc tuning):
+    with ``s.evidence == 'exact'`` the context posterior's bound (exact when the
+    locations are the observations) with the prior mean ``μ₀ = 0``, with
+    ``'kron'`` laplace-torch's KFAC Laplace evidence
+    (:func:`kron_hyperparameters`) (``noise_var='residuals'``:
     ``σ²`` is the network's mean squared residual on ``(X, Y)``, its
     maximum-likelihood noise, and only ``δ`` is tuned), unless ``hyperparameters``
     (prior precision, ``σ``) are given: a refit between trainings keeps those
@@ -313,6 +324,8 @@ def fit_posterior(
     ContextPosterior
 
     """
+    if hyperparameters is None and s.evidence == "kron":
+        hyperparameters = kron_hyperparameters(s, net, X, Y)
     if hyperparameters is None:
         tuned = _posterior(s, net, Z, X, Y, centred=False)
         if s.posthoc_marglik_iters > 0:
@@ -327,6 +340,70 @@ def fit_posterior(
     posterior = _posterior(s, net, Z, X, Y, centred=s.predictive_mean == "residual")
     posterior.prior_precision, posterior.sigma_noise = hyperparameters
     return posterior
+
+
+def kron_hyperparameters(
+    s: SurrogateSettings, net: nn.Module, X: torch.Tensor, Y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``δ`` and ``σ`` that maximise laplace-torch's KFAC Laplace evidence.
+
+    laplace-bayesopt's ``LaplaceBoTorch`` choice: a ``KronLaplace`` of ``net`` on
+    ``(X, Y)`` (through :class:`~laplace_diffjac.DiffBackPackGGN`), then
+    ``s.posthoc_marglik_iters`` Adam steps (learning rate 0.1) on ``log δ`` and
+    ``log σ`` from ``log δ = log σ = 1``. KFAC's log-determinant is not the
+    exact one: this evidence prefers a smaller ``σ`` and a larger ``δ`` than the
+    exact evidence on the same network (``benchmarks/bayesopt/SAME_NETWORK.md``).
+    With ``noise_var`` set, ``σ`` is that value and only ``δ`` is tuned.
+
+    Parameters
+    ----------
+    s : SurrogateSettings
+        ``batch_size``, ``noise_var`` and ``posthoc_marglik_iters`` are used.
+    net : torch.nn.Module
+        The trained network (not modified).
+    X, Y : torch.Tensor
+        ``(N, d)`` and ``(N, K)`` transformed observations.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        Prior precision ``(1,)`` and ``σ`` ``(1,)``, detached.
+
+    """
+    from laplace import Laplace
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ..backends import DiffBackPackGGN
+
+    loader = DataLoader(TensorDataset(X, Y), batch_size=s.batch_size)
+    laplace = Laplace(
+        net, "regression", hessian_structure="kron", backend=DiffBackPackGGN
+    )
+    laplace.fit(loader)
+    dtype, device = X.dtype, X.device
+    log_prior = torch.ones(1, dtype=dtype, device=device, requires_grad=True)
+    learn_sigma = s.noise_var is None
+    log_sigma_start = 1.0 if learn_sigma else math.log(_initial_sigma(s, net, X, Y))
+    log_sigma = torch.full(
+        (1,), log_sigma_start, dtype=dtype, device=device, requires_grad=learn_sigma
+    )
+    tuned = [log_prior, log_sigma] if learn_sigma else [log_prior]
+    optimizer = torch.optim.Adam(tuned, lr=1e-1)
+    for _ in range(s.posthoc_marglik_iters):
+        optimizer.zero_grad()
+        with warnings.catch_warnings():
+            # laplace-torch's Kronecker log-determinant calls float() on the
+            # prior precision, whose graph it does not need (a UserWarning).
+            warnings.filterwarnings("ignore", KRON_SCALAR_WARNING, UserWarning)
+            evidence = laplace.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())
+        (-evidence).backward()
+        optimizer.step()
+    return log_prior.detach().exp(), log_sigma.detach().exp()
+
+
+#: laplace-torch's warning (``laplace/utils/matrix.py``) when its Kronecker
+#: log-determinant converts a prior precision that requires grad to a float.
+KRON_SCALAR_WARNING = "Converting a tensor with requires_grad=True to a scalar"
 
 
 def posterior_mean_kind(s: SurrogateSettings) -> str:

@@ -13,6 +13,8 @@ wrong term (other locations, a stale sum) moves them by ``1e-3`` or more.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -68,6 +70,7 @@ def _model(locations: str = "random", outputs: int = 1, **options) -> ContextBoT
         n_epochs=30, n_locations=5, locations=locations, bounds=BOUNDS,
         location_steps=3, n_domain=32, posthoc_marglik_iters=20,
         retrain=RetrainSchedule(every=None, finetune_epochs=0),  # dual updates
+        predictive_mean="dual", evidence="exact",
     )  # fmt: skip
     settings.update(options)
     return ContextBoTorch(_factory(outputs), X, Y, **settings)
@@ -156,7 +159,7 @@ def test_outcome_transform_untransforms_mean_and_covariance():
     X, Y = _data(8, 0)
     kwargs = dict(
         n_epochs=30, n_locations=5, locations="random", bounds=BOUNDS,
-        posthoc_marglik_iters=20,
+        posthoc_marglik_iters=20, predictive_mean="dual", evidence="exact",
     )  # fmt: skip
     torch.manual_seed(0)
     model = ContextBoTorch(
@@ -439,14 +442,30 @@ def test_bad_variant_settings_are_refused():
         RetrainSchedule(finetune_epochs=-1)
 
 
-def test_defaults_take_the_observations_as_locations_and_fine_tune():
+def test_defaults_are_laplace_bayesopts_mean_and_hyperparameters_exactly():
+    """Observations as locations, fine-tuning, the network mean, KFAC's δ and σ."""
     X, Y = _data(8, 0)
     torch.manual_seed(0)
     model = ContextBoTorch(_factory(), X, Y, n_epochs=30, posthoc_marglik_iters=5)
     assert torch.equal(model.context_posterior.locations, model.train_X)
+    delta, sigma = _laplace_bayesopt_hyperparameters(
+        model.net, model.train_X, model.train_Y, 5
+    )
+    post = model.context_posterior
+    assert float(post.prior_precision) == pytest.approx(delta, rel=1e-8)
+    assert float(post.sigma_noise) == pytest.approx(sigma, rel=1e-8)
     updated = model.condition_on_observations(*_data(2, 5))
     assert torch.equal(updated.context_posterior.locations, updated.train_X)
     assert updated.trainings == 1 and updated.net is not model.net
+    x_star = _data(4, 9)[0]
+    with torch.no_grad():
+        network = updated.net(x_star)
+    torch.testing.assert_close(
+        updated.posterior(x_star).mean.detach(), network, rtol=1e-12, atol=1e-12
+    )
+    _, _, prior_cov, reduction = _exact_gp(updated, x_star)
+    predicted = updated.posterior(x_star).distribution.covariance_matrix
+    assert _relative_error(prior_cov - predicted, reduction) < 1e-4
 
 
 def test_residual_mean_is_the_network_plus_the_exact_gp_of_its_residuals():
@@ -477,7 +496,7 @@ def test_residual_mean_is_the_network_plus_the_exact_gp_of_its_residuals():
     torch.manual_seed(0)
     dual = ContextBoTorch(
         _factory(), X, Y, n_epochs=30, posthoc_marglik_iters=5,
-        retrain=RetrainSchedule(every=None, finetune_epochs=0),
+        predictive_mean="dual", retrain=RetrainSchedule(every=None, finetune_epochs=0),
     ).condition_on_observations(*_data(2, 5))  # fmt: skip
     assert all(
         torch.equal(p, q) for p, q in zip(dual.net.parameters(), net.parameters())
@@ -497,3 +516,81 @@ def test_residual_noise_is_the_networks_mean_squared_residual():
     assert float(post.prior_precision) != 1.0  # δ was tuned from its start, 1
     with pytest.raises(InvalidInputError, match="residuals"):
         _model(noise_var="median")
+
+
+def _laplace_bayesopt_hyperparameters(net: nn.Module, X, Y, iters: int, sigma=None):
+    """laplace-bayesopt's post-hoc tuning, on laplace-torch's own BackPACK backend.
+
+    ``LaplaceBoTorch._train_model``: a ``KronLaplace`` fitted on minibatches of 10,
+    then Adam (lr 0.1) on ``log δ`` and ``log σ`` from 1 (``σ`` fixed if given).
+    """
+    import copy
+    import warnings
+
+    from laplace import Laplace
+    from laplace.curvature import BackPackGGN
+    from torch.utils.data import DataLoader, TensorDataset
+
+    net = copy.deepcopy(net)
+    la = Laplace(net, "regression", hessian_structure="kron", backend=BackPackGGN)
+    la.fit(DataLoader(TensorDataset(X, Y), batch_size=10))
+    log_prior = torch.ones(1, dtype=X.dtype, requires_grad=True)
+    log_sigma = torch.ones(1, dtype=X.dtype, requires_grad=sigma is None)
+    if sigma is not None:
+        log_sigma.data.fill_(math.log(sigma))
+    optimizer = torch.optim.Adam(
+        [log_prior, log_sigma] if sigma is None else [log_prior], lr=0.1
+    )
+    for _ in range(iters):
+        optimizer.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            loss = -la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())
+        loss.backward()
+        optimizer.step()
+    return float(log_prior.exp()), float(log_sigma.exp())
+
+
+@pytest.mark.parametrize("noise_var", [None, 0.04])
+def test_kron_evidence_tunes_as_laplace_bayesopt(noise_var):
+    X, Y = _data(8, 0)
+    torch.manual_seed(0)
+    model = ContextBoTorch(
+        _factory(), X, Y, n_epochs=30, posthoc_marglik_iters=30, evidence="kron",
+        noise_var=noise_var, predictive_mean="dual",
+    )  # fmt: skip
+    before = {k: v.clone() for k, v in model.net.state_dict().items()}
+    sigma = None if noise_var is None else noise_var**0.5
+    delta, sigma = _laplace_bayesopt_hyperparameters(
+        model.net, model.train_X, model.train_Y, 30, sigma
+    )
+    post = model.context_posterior
+    assert float(post.prior_precision) == pytest.approx(delta, rel=1e-8)
+    assert float(post.sigma_noise) == pytest.approx(sigma, rel=1e-8)
+    assert delta != pytest.approx(torch.e, rel=1e-3)  # δ moved from its start
+    # The posterior is the exact GP of the linearised network with those values.
+    x_star = _data(4, 9)[0]
+    predicted = model.posterior(x_star)
+    prior_mean, shift, prior_cov, reduction = _exact_gp(model, x_star)
+    errors = (
+        _relative_error(predicted.mean.squeeze(-1) - prior_mean, shift),
+        _relative_error(prior_cov - predicted.distribution.covariance_matrix,
+                        reduction),
+    )  # fmt: skip
+    assert max(errors) < 1e-4, errors
+    for name, value in model.net.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_kron_evidence_refits_between_trainings_with_its_values():
+    X, Y = _data(8, 0)
+    torch.manual_seed(0)
+    model = ContextBoTorch(
+        _factory(), X, Y, n_epochs=30, posthoc_marglik_iters=10, evidence="kron"
+    )
+    updated = model.condition_on_observations(*_data(2, 5))
+    old, new = model.context_posterior, updated.context_posterior
+    assert torch.equal(new.prior_precision, old.prior_precision)
+    assert torch.equal(new.sigma_noise, old.sigma_noise)
+    with pytest.raises(InvalidInputError, match="evidence"):
+        ContextBoTorch(_factory(), X, Y, n_epochs=1, evidence="kfac")
