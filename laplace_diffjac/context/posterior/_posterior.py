@@ -629,9 +629,9 @@ class ContextPosterior(LaplacePredictive):
 
     def _variance(self, features: BatchFeatures, T: torch.Tensor) -> torch.Tensor:
         """Per-input covariances ``(B*, C, C)`` given ``T = L₀⁻¹ K_Z*`` (float64)."""
-        V = self._factor().project(T)
+        V, W = self._factor().project(T)
         K_ss = features.self_blocks(self._kernel_prior_var())
-        return latent_covariance(K_ss, V)
+        return latent_covariance(K_ss, V, W)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
         """Joint latent posterior covariance of all test outputs (per batch).
@@ -657,9 +657,9 @@ class ContextPosterior(LaplacePredictive):
         self, features: BatchFeatures, T: torch.Tensor, q: int
     ) -> torch.Tensor:
         """Joint covariances ``(B* / q, q C, q C)`` of consecutive ``q`` inputs."""
-        V = self._factor().project(T)
+        V, W = self._factor().project(T)
         K_ss = features.joint_blocks(self._kernel_prior_var(), q)
-        return latent_covariance(K_ss, V)
+        return latent_covariance(K_ss, V, W)
 
     def joint_predictive(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Joint latent predictive of batches of inputs (BoTorch's q-batches).

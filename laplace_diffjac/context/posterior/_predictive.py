@@ -20,8 +20,10 @@ __all__ = [
 LINKS = ("probit", "mc", "bridge", "bridge_norm")
 
 
-def latent_covariance(K_ss: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """``K** − V Vᵀ`` per block of test outputs, in float64.
+def latent_covariance(
+    K_ss: torch.Tensor, V: torch.Tensor, W: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``K** − V Vᵀ + W Wᵀ`` per block of test outputs, in float64.
 
     Parameters
     ----------
@@ -31,6 +33,9 @@ def latent_covariance(K_ss: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
         input-major).
     V : torch.Tensor
         ``(n w, MC)``, the projected cross term of all test outputs in order.
+    W : torch.Tensor, optional
+        ``(n w, MC)``, the part of ``V Vᵀ`` the posterior keeps
+        (:meth:`._factor_cache.PredictiveFactor.project`).
 
     Returns
     -------
@@ -39,7 +44,11 @@ def latent_covariance(K_ss: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
 
     """
     V = V.reshape(*K_ss.shape[:2], -1)
-    return K_ss.to(torch.float64) - V @ V.transpose(1, 2)
+    covariance = K_ss.to(torch.float64) - V @ V.transpose(1, 2)
+    if W is None:
+        return covariance
+    W = W.reshape(*K_ss.shape[:2], -1)
+    return covariance + W @ W.transpose(1, 2)
 
 
 def q_batch_shape(x: torch.Tensor, feature_shape: torch.Size) -> torch.Size:

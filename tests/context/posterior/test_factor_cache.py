@@ -1,11 +1,11 @@
 """One eigendecomposition for every scalar prior precision and noise.
 
-The evidence at a second ``(δ, σ)`` and every prediction of a one-group posterior
-go through :class:`laplace_diffjac.context.posterior._factor_cache.ScalarSpectrum`. Each
-check compares against the direct route: a fresh posterior's first evidence is
-factorised by Cholesky, and a posterior whose prior is split into equal layerwise
-groups factorises for every prediction; float64, gradients in ``δ`` and ``σ``
-included.
+The evidence and the predictions of a one-group posterior at a second ``(δ, σ)``
+go through :class:`laplace_diffjac.context.posterior._factor_cache.ScalarSpectrum`;
+the first of each is factorised by Cholesky. Each check compares against the
+direct route: a fresh posterior's first evidence and prediction are Cholesky's,
+and a posterior whose prior is split into equal layerwise groups factorises by
+Cholesky for every prediction; float64, gradients in ``δ`` and ``σ`` included.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def test_predictions_at_a_changed_prior_equal_a_fresh_fit(likelihood):
     model, x, y, Z = _problem(likelihood)
     cp = ContextPosterior(model, likelihood, Z).fit((x, y))
     Js = cp.backend.jacobians(MLP.inputs(5, 9))[0]
-    cp.functional_variance(Js)  # builds the spectrum at δ = 1
+    cp.functional_variance(Js)  # Cholesky at δ = 1; the next δ builds the spectrum
+    assert cp._factors._spectrum is None
     for prec in (0.01, 3.0, 1e4):
         cp.prior_precision = prec
         # the same prior as equal layerwise groups: the keyed factorisation route
@@ -86,6 +87,25 @@ def test_predictions_at_a_changed_prior_equal_a_fresh_fit(likelihood):
             rtol=1e-6,  # k** − Q** cancels ~2000-fold at δ = 0.01: rounding only
             atol=1e-12,
         )
+        assert cp._factors._spectrum is not None
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_first_prediction_by_cholesky_equals_the_spectral_one(likelihood):
+    model, x, y, Z = _problem(likelihood)
+    xs = MLP.inputs(5, 9)
+    first = ContextPosterior(model, likelihood, Z).fit((x, y))
+    Js = first.backend.jacobians(xs)[0]
+    var = first.functional_variance(Js)
+    cov = first.functional_covariance(Js)
+    assert first._factors._spectrum is None  # one (δ, σ): Cholesky only
+    spectral = ContextPosterior(model, likelihood, Z).fit((x, y))
+    spectral.log_marginal_likelihood(torch.tensor([2.0]))
+    spectral.log_marginal_likelihood(torch.tensor([1.0]))  # back at δ = 1
+    assert spectral._factors._spectrum is not None
+    tol = dict(rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(var, spectral.functional_variance(Js), **tol)
+    torch.testing.assert_close(cov, spectral.functional_covariance(Js), **tol)
 
 
 def test_update_forgets_the_spectrum():
@@ -99,7 +119,10 @@ def test_update_forgets_the_spectrum():
 def test_spectral_route_equals_cholesky_route_past_the_numerical_rank():
     model, x, y, Z = ill_conditioned_problem()
     spectral = ContextPosterior(model, "regression", Z, sigma_noise=0.01).fit((x, y))
-    spectral(x[:3])  # the prediction builds the spectrum
+    spectral(x[:3])  # Cholesky at δ = 1, then a second δ builds the spectrum
+    spectral.prior_precision = 2.0
+    spectral(x[:3])
+    assert spectral._factors._spectrum is not None
     cholesky = ContextPosterior(model, "regression", Z, sigma_noise=0.01).fit((x, y))
     for d in (0.1, 1.0, 10.0):
         prec = torch.tensor([d], dtype=torch.float64)
