@@ -19,8 +19,8 @@ LAYERS = [
     "kernels",
     "data",
     "context",
-    "bayesopt",
     "laplace_integration",
+    "bayesopt",
     "examples",
 ]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +18,7 @@ from torch import nn
 from ..backends import BackendSpec
 from ..context import ContextPosterior, optimize_locations
 from ..errors import InvalidInputError
+from ..laplace_integration import kron_evidence_hyperparameters
 
 __all__ = [
     "SurrogateSettings",
@@ -347,22 +347,14 @@ def kron_hyperparameters(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``δ`` and ``σ`` that maximise laplace-torch's KFAC Laplace evidence.
 
-    laplace-bayesopt's ``LaplaceBoTorch`` choice: a ``KronLaplace`` of ``net`` on
-    ``(X, Y)`` (through :class:`~laplace_diffjac.DiffBackPackGGN`), then
-    ``s.posthoc_marglik_iters`` Adam steps (learning rate 0.1) on ``log δ`` and
-    ``log σ`` from ``log δ = log σ = 1``. KFAC's log-determinant is not the
-    exact one: this evidence prefers a smaller ``σ`` and a larger ``δ`` than the
-    exact evidence on the same network (``benchmarks/bayesopt/SAME_NETWORK.md``).
-    With ``noise_var`` set, ``σ`` is that value and only ``δ`` is tuned.
-
-    Parameters
-    ----------
-    s : SurrogateSettings
-        ``batch_size``, ``noise_var`` and ``posthoc_marglik_iters`` are used.
-    net : torch.nn.Module
-        The trained network (not modified).
-    X, Y : torch.Tensor
-        ``(N, d)`` and ``(N, K)`` transformed observations.
+    laplace-bayesopt's ``LaplaceBoTorch`` choice
+    (:func:`~laplace_diffjac.laplace_integration.kron_evidence_hyperparameters`:
+    a ``KronLaplace`` of ``net`` on minibatches of ``s.batch_size``, then
+    ``s.posthoc_marglik_iters`` Adam steps on ``log δ`` and ``log σ`` from 1).
+    KFAC's log-determinant is not the exact one: this evidence prefers a smaller
+    ``σ`` and a larger ``δ`` than the exact evidence on the same network
+    (``benchmarks/bayesopt/SAME_NETWORK.md``). With ``noise_var`` set, ``σ`` is
+    that value and only ``δ`` is tuned.
 
     Returns
     -------
@@ -370,40 +362,10 @@ def kron_hyperparameters(
         Prior precision ``(1,)`` and ``σ`` ``(1,)``, detached.
 
     """
-    from laplace import Laplace
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from ..backends import DiffBackPackGGN
-
-    loader = DataLoader(TensorDataset(X, Y), batch_size=s.batch_size)
-    laplace = Laplace(
-        net, "regression", hessian_structure="kron", backend=DiffBackPackGGN
+    sigma = None if s.noise_var is None else _initial_sigma(s, net, X, Y)
+    return kron_evidence_hyperparameters(
+        net, X, Y, s.batch_size, s.posthoc_marglik_iters, sigma
     )
-    laplace.fit(loader)
-    dtype, device = X.dtype, X.device
-    log_prior = torch.ones(1, dtype=dtype, device=device, requires_grad=True)
-    learn_sigma = s.noise_var is None
-    log_sigma_start = 1.0 if learn_sigma else math.log(_initial_sigma(s, net, X, Y))
-    log_sigma = torch.full(
-        (1,), log_sigma_start, dtype=dtype, device=device, requires_grad=learn_sigma
-    )
-    tuned = [log_prior, log_sigma] if learn_sigma else [log_prior]
-    optimizer = torch.optim.Adam(tuned, lr=1e-1)
-    for _ in range(s.posthoc_marglik_iters):
-        optimizer.zero_grad()
-        with warnings.catch_warnings():
-            # laplace-torch's Kronecker log-determinant calls float() on the
-            # prior precision, whose graph it does not need (a UserWarning).
-            warnings.filterwarnings("ignore", KRON_SCALAR_WARNING, UserWarning)
-            evidence = laplace.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())
-        (-evidence).backward()
-        optimizer.step()
-    return log_prior.detach().exp(), log_sigma.detach().exp()
-
-
-#: laplace-torch's warning (``laplace/utils/matrix.py``) when its Kronecker
-#: log-determinant converts a prior precision that requires grad to a float.
-KRON_SCALAR_WARNING = "Converting a tensor with requires_grad=True to a scalar"
 
 
 def posterior_mean_kind(s: SurrogateSettings) -> str:

@@ -8,7 +8,9 @@ is laplace-torch's ``FunctionalLaplace`` on given locations
 (``_functional_laplace``), the one subclass of a laplace-torch estimator here.
 While registered, estimators with our backends fit the union of the ranks' shards
 under a ``torch.distributed`` group (``_distributed_fit``,
-``_distributed_functional``, ``_distributed_tuning``).
+``_distributed_functional``, ``_distributed_tuning``). ``kron_evidence_hyperparameters``
+chooses ``δ`` and ``σ`` by the KFAC Laplace evidence, as laplace-bayesopt does
+(for :class:`~laplace_diffjac.bayesopt.ContextBoTorch`).
 """
 
 from ._compat import LAPLACE_VERSION
@@ -17,6 +19,7 @@ from ._functional_laplace import (
     LocationFunctionalLaplace,
     functional_laplace_on_locations,
 )
+from ._kron_evidence import kron_evidence_hyperparameters
 from ._registration import (
     is_registered,
     is_side_effect_free,
@@ -31,6 +34,7 @@ __all__ = [
     "is_patched",
     "is_registered",
     "functional_laplace_on_locations",
+    "kron_evidence_hyperparameters",
     "is_side_effect_free",
     "patch_laplace",
     "register",

@@ -41,7 +41,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..backends import DiffBackPackGGN, upstream_stand_in
 from ..data import Data, SizedLoader, TrainingData
-from ..kernels import output_hessians
+from ..kernels import factor_route_applies, output_hessians
+from ..kernels._factor_gram import factor_gram
 from ._compat import LAPLACE_VERSION
 
 __all__ = [
@@ -60,6 +61,9 @@ PRIVATE_OVERRIDES: dict[str, str] = {
     "_get_SoD_data_loader": "called once by fit to draw the subset-of-data loader",
     "_build_K_star_M": "builds K*M (K_MM + Λ_MM⁻¹)⁻¹ K_M* from (N*, b, C, C) blocks",
     "_build_Sigma_inv": "factorises K_MM + Λ_MM⁻¹ from K_MM, L and _H_factor",
+    "_glm_predictive_distribution": (
+        "called by __call__ with (X, joint): (f_mu, f_var) from the Jacobians of X"
+    ),
 }
 
 
@@ -112,6 +116,15 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         ``K** − K*M R (I + R K_MM R)⁻¹ R K_M*`` with ``R = Λ_MM^{1/2}`` (no inverse
         of the singular softmax Hessian). Not with ``independent_outputs=True``;
         the marginal likelihood still uses laplace-torch's diagonal factor.
+    structured : bool, default=True
+        Predict (``la(x)``) from the backend's per-layer factors (the factor
+        route of :func:`laplace_diffjac.kernels.ntk`): ``k(x*, x*)`` and
+        ``k(x*, Z)`` without the test inputs' Jacobians ``(N*, C, P)``. It
+        applies to the backends with ``jacobian_factors`` (``DiffBackPackGGN``,
+        ``DiffBackPackEF``) and dependent outputs; otherwise, and with
+        ``False``, laplace-torch's route through the Jacobians. The public
+        ``functional_variance(Js)`` and ``functional_covariance(Js)`` take
+        Jacobians and are laplace-torch's either way.
     **kwargs
         Passed to ``FunctionalLaplace`` (``sigma_noise``, ``prior_precision``,
         ``temperature``, ``enable_backprop``, ``independent_outputs``, ...).
@@ -131,6 +144,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         backend: type = DiffBackPackGGN,
         reweight: bool = False,
         output_hessian: str = "diagonal",
+        structured: bool = True,
         **kwargs: Any,
     ) -> None:
         _check_release()
@@ -153,6 +167,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         self.locations = locations.detach()
         self.reweight = reweight
         self.output_hessian = output_hessian
+        self.structured = structured
         self._lam_full: torch.Tensor | None = None  # (M, C, C), without 1/(σ² T)
         self._full_R: torch.Tensor | None = None
         self._full_chol: torch.Tensor | None = None
@@ -259,6 +274,66 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             )
         self._ensure_current()
         return super().__call__(x, "gp", *args, **kwargs)
+
+    def _glm_predictive_distribution(
+        self, X: torch.Tensor, joint: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and latent covariance at ``X``, from per-layer factors if possible.
+
+        The factor route (``structured=True``, a backend with
+        ``jacobian_factors``, dependent outputs, tensor inputs) computes
+        ``K** = s k(x*, x*)`` and ``K*M = s k(x*, Z)``, ``s`` the subset-of-data
+        prior variance, from the factors (as :func:`~laplace_diffjac.kernels.ntk`),
+        then
+        ``K** − K*M (K_MM + Λ_MM⁻¹)⁻¹ K_M*`` as laplace-torch's
+        ``functional_variance`` (``functional_covariance`` for ``joint``) does
+        from the Jacobians; otherwise it is laplace-torch's method.
+
+        Parameters
+        ----------
+        X : torch.Tensor
+            ``(N*, *input_shape)`` test inputs.
+        joint : bool, default=False
+            The joint covariance of all test outputs.
+
+        Returns
+        -------
+        f_mu : torch.Tensor
+            ``(N*, C)``, or ``(N* C,)`` if ``joint``.
+        f_var : torch.Tensor
+            ``(N*, C, C)``, or ``(N* C, N* C)`` input-major if ``joint``;
+            detached unless ``enable_backprop``.
+
+        """
+        backend = self.backend
+        if (
+            not self.structured
+            or self.independent_outputs
+            or not isinstance(X, torch.Tensor)
+            or not factor_route_applies(backend)
+        ):
+            return super()._glm_predictive_distribution(X, joint=joint)
+        with torch.enable_grad():  # as laplace-torch 0.3's decorator
+            factors = backend.jacobian_factors(X, enable_backprop=self.enable_backprop)
+            located = backend.jacobian_factors(
+                self.locations.to(self._device), enable_backprop=False
+            )
+            params = list(backend.params)
+            unit = torch.ones((), dtype=factors.f.dtype, device=factors.f.device)
+            scale = self.gp_kernel_prior_variance
+            K_M_star = scale * factor_gram(factors, located, params, unit)
+            if joint:
+                K_star = scale * factor_gram(factors, factors, params, unit)
+                f_var = K_star - self._build_K_star_M([K_M_star], joint=True)
+                f_var = f_var.permute(0, 2, 1, 3).flatten(0, 1).flatten(1, 2)
+                f_mu = factors.f.flatten()
+            else:
+                K_star = scale * factor_gram(factors, None, params, unit)
+                f_var = K_star - self._build_K_star_M([K_M_star])
+                f_mu = factors.f
+        if not self.enable_backprop:
+            return f_mu.detach(), f_var.detach()
+        return f_mu, f_var
 
     def _build_K_star_M(
         self, K_M_star: list[torch.Tensor], joint: bool = False

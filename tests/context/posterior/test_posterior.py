@@ -291,6 +291,62 @@ def test_location_functional_laplace_matches_dense_gp(
         assert not torch.allclose(buggy, _per_input(ref, 3, 3) if joint else ref)
 
 
+@pytest.mark.parametrize("structured", [True, False], ids=["factors", "jacobians"])
+@pytest.mark.parametrize("joint", [False, True])
+@pytest.mark.parametrize("output_hessian", ["diagonal", "full"])
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_location_functional_laplace_predicts_the_dense_gp_by_either_route(
+    likelihood, output_hessian, joint, structured
+):
+    """``la(x)``'s latent predictive, from per-layer factors or from Jacobians.
+
+    The factor route never forms the test inputs' Jacobians; both routes must
+    give the float64 dense GP of reference Jacobians, and the network's output.
+    """
+    model = MLP.model()
+    N, M, prec = 24, 4, 2.0
+    x, z, xs = MLP.inputs(N, 1), MLP.inputs(M, 2), MLP.inputs(3, 3)
+    y = model(x).detach() if likelihood == "regression" else torch.arange(N) % 3
+    loader = DataLoader(TensorDataset(x, y), batch_size=5)
+    la = LocationFunctionalLaplace(
+        model, likelihood, z, output_hessian=output_hessian, prior_precision=prec,
+        structured=structured,
+    )  # fmt: skip
+    la.fit(loader)
+    ref = _dense_gp(
+        model, z, xs, likelihood, prec, 1.0, M / N, 1.0, output_hessian == "full",
+        joint,
+    )  # fmt: skip
+    if structured:  # the factor route forms no Jacobians of the test inputs
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the factor route called backend.jacobians")
+
+        la.backend.jacobians = refuse
+    f_mu, f_var = la._glm_predictive_distribution(xs, joint=joint)
+    torch.testing.assert_close(f_var, ref, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        f = model(xs)
+    torch.testing.assert_close(f_mu, f.flatten() if joint else f)
+    assert not f_var.requires_grad  # enable_backprop=False
+
+
+def test_location_functional_laplace_factor_route_gradients_in_x():
+    """The factor route's predictive variance is differentiable in ``x*``."""
+    model = MLP.model()
+    z = MLP.inputs(4, 2)
+    x = MLP.inputs(20, 1)
+    loader = DataLoader(TensorDataset(x, model(x).detach()), batch_size=5)
+    la = LocationFunctionalLaplace(model, "regression", z, enable_backprop=True)
+    la.fit(loader)
+    xs = MLP.inputs(2, 3).requires_grad_(True)
+
+    def variance(inputs):
+        return la._glm_predictive_distribution(inputs)[1]
+
+    assert torch.autograd.gradcheck(variance, (xs,))
+
+
 def test_location_functional_laplace_options():
     model = MLP.model()
     z = MLP.inputs(3)
