@@ -17,7 +17,12 @@ its peak resident memory is reported whole (``peak_rss_gib``, imports included)
 and as the work's own (``added_peak_gib``: the high-water mark of fit, prediction
 and evidence above the resident memory just before ``fit``).
 The predictive variances and the evidence of the two routes are compared (``max
-relative difference``), so a fast wrong route shows. Data: synthetic (seeded
+relative difference``), so a fast wrong route shows. ``LocationFunctionalLaplace``
+on the same locations is measured the same way, each route in its own process
+(``functional-factors``: ``structured=True``, the test inputs' kernels from
+per-layer factors; ``functional-jacobians``: laplace-torch's route through their
+Jacobians): ``fit`` (the same for both: it forms the locations' Jacobians) and
+one prediction ``la(x*)``. Data: synthetic (seeded
 normal inputs, the network's own outputs plus noise as targets).
 
 Run: ``python benchmarks/context_posterior/context_routes.py [--quick] [--out
@@ -43,6 +48,7 @@ from torch import nn
 from laplace_diffjac import ContextPosterior
 
 ROUTES = ("factors", "jacobians")
+FUNCTIONAL_ROUTES = ("functional-factors", "functional-jacobians")
 
 
 class ClassMLP(nn.Module):
@@ -106,6 +112,46 @@ def _run_route(route: str, quick: bool, out: Path) -> dict:
     }
 
 
+def _run_functional(route: str, quick: bool, out: Path) -> dict:
+    """``LocationFunctionalLaplace`` fit and one prediction, in this process."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from laplace_diffjac import LocationFunctionalLaplace
+
+    torch.set_num_threads(2)
+    case = _case(quick)
+    torch.manual_seed(0)
+    model = ClassMLP(case["widths"]).eval()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(case["N"], case["widths"][0], generator=gen)
+    with torch.no_grad():
+        y = model(x) + 0.1 * torch.randn(case["N"], case["widths"][-1], generator=gen)
+    z = x[: case["M"]].clone()
+    xs = torch.randn(case["n_test"], case["widths"][0], generator=gen)
+    la = LocationFunctionalLaplace(
+        model, "regression", z, sigma_noise=0.1, prior_precision=1.0,
+        structured=route == "functional-factors",
+    )  # fmt: skip
+    before = _reset_peak_kib()
+    start = time.perf_counter()
+    la.fit(DataLoader(TensorDataset(x, y), batch_size=256))
+    fit_s = time.perf_counter() - start
+    fit_peak = (_status_kib("VmHWM") - before) / 2**20
+    before_predict = _reset_peak_kib()
+    start = time.perf_counter()
+    mean, var = la(xs, pred_type="gp")
+    predict_s = time.perf_counter() - start
+    predict_peak = (_status_kib("VmHWM") - before_predict) / 2**20
+    torch.save({"mean": mean, "var": var}, out)
+    return {
+        "fit_s": fit_s,
+        "predict_s": predict_s,
+        "fit_added_peak_gib": fit_peak,
+        "predict_added_peak_gib": predict_peak,
+        "n_params": sum(p.numel() for p in model.parameters()),
+    }
+
+
 def _status_kib(field: str) -> int:
     """``VmRSS`` (now) or ``VmHWM`` (peak) of this process from ``/proc``, KiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -128,15 +174,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--route", choices=ROUTES, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--route", choices=ROUTES + FUNCTIONAL_ROUTES, help=argparse.SUPPRESS
+    )
     parser.add_argument("--numbers", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.route:  # a child process: one route
-        print(json.dumps(_run_route(args.route, args.quick, Path(args.numbers))))
+        run = _run_functional if args.route in FUNCTIONAL_ROUTES else _run_route
+        print(json.dumps(run(args.route, args.quick, Path(args.numbers))))
         return
     results, numbers = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for route in ROUTES:
+        for route in ROUTES + FUNCTIONAL_ROUTES:
             path = Path(tmp) / f"{route}.pt"
             command = [sys.executable, str(Path(__file__).resolve())]
             command += ["--route", route, "--numbers", str(path)]
@@ -148,11 +197,25 @@ def main() -> None:
     agreement = {
         key: _relative(ours[key], ref[key]) for key in ("mean", "var", "evidence")
     }
+    functional = {
+        key: numbers[route] for key, route in zip(("ours", "ref"), FUNCTIONAL_ROUTES)
+    }
+    agreement["functional mean"] = _relative(
+        functional["ours"]["mean"], functional["ref"]["mean"]
+    )
+    agreement["functional var"] = _relative(
+        functional["ours"]["var"], functional["ref"]["var"]
+    )
     fast, slow = results["factors"], results["jacobians"]
+    f_fast, f_slow = (results[route] for route in FUNCTIONAL_ROUTES)
     report = {
         "case": _case(args.quick),
         "routes": results,
         "max relative difference, factors vs jacobians": agreement,
+        "LocationFunctionalLaplace ratios (jacobians / factors)": {
+            key: f_slow[key] / f_fast[key]
+            for key in ("fit_s", "predict_s", "predict_added_peak_gib")
+        },
         "ratios (jacobians / factors)": {
             key: slow[key] / fast[key]
             for key in (
