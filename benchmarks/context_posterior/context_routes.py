@@ -25,8 +25,9 @@ Jacobians): ``fit`` (the same for both: it forms the locations' Jacobians) and
 one prediction ``la(x*)``. Data: synthetic (seeded
 normal inputs, the network's own outputs plus noise as targets).
 
-Run: ``python benchmarks/context_posterior/context_routes.py [--quick] [--out
-PATH]``; without ``--quick`` the results go to ``context_routes.json`` beside
+Run: ``python benchmarks/context_posterior/context_routes.py [--quick | --size
+{issue,large}] [--routes ...] [--out PATH]``; the results go to
+``context_routes.json`` (``--size large``: ``context_routes_large.json``) beside
 this script (``--quick`` writes only where ``--out`` says).
 """
 
@@ -66,16 +67,23 @@ class ClassMLP(nn.Module):
         return self.layers[-1](x)
 
 
-def _case(quick: bool) -> dict:
-    if quick:
-        return {"widths": [20, 32, 32, 10], "M": 16, "N": 200, "n_test": 32}
-    return {"widths": [20, 256, 256, 10], "M": 128, "N": 2000, "n_test": 256}
+#: ``quick``: smoke sizes; ``issue``: issue #28's case (P = 73,738, M = 128);
+#: ``large``: its larger one (20-384-384-10, P = 159,754, M = 256).
+CASES = {
+    "quick": {"widths": [20, 32, 32, 10], "M": 16, "N": 200, "n_test": 32},
+    "issue": {"widths": [20, 256, 256, 10], "M": 128, "N": 2000, "n_test": 256},
+    "large": {"widths": [20, 384, 384, 10], "M": 256, "N": 2000, "n_test": 256},
+}
 
 
-def _run_route(route: str, quick: bool, out: Path) -> dict:
+def _case(size: str) -> dict:
+    return CASES[size]
+
+
+def _run_route(route: str, size: str, out: Path) -> dict:
     """One route in this process: times, peak memory; saves its numbers to ``out``."""
     torch.set_num_threads(2)
-    case = _case(quick)
+    case = _case(size)
     torch.manual_seed(0)
     model = ClassMLP(case["widths"]).eval()
     gen = torch.Generator().manual_seed(1)
@@ -112,14 +120,14 @@ def _run_route(route: str, quick: bool, out: Path) -> dict:
     }
 
 
-def _run_functional(route: str, quick: bool, out: Path) -> dict:
+def _run_functional(route: str, size: str, out: Path) -> dict:
     """``LocationFunctionalLaplace`` fit and one prediction, in this process."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from laplace_diffjac import LocationFunctionalLaplace
 
     torch.set_num_threads(2)
-    case = _case(quick)
+    case = _case(size)
     torch.manual_seed(0)
     model = ClassMLP(case["widths"]).eval()
     gen = torch.Generator().manual_seed(1)
@@ -172,60 +180,39 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="--size quick")
+    parser.add_argument("--size", choices=sorted(CASES), default="issue")
+    parser.add_argument(
+        "--routes",
+        nargs="+",
+        choices=ROUTES + FUNCTIONAL_ROUTES,
+        default=list(ROUTES + FUNCTIONAL_ROUTES),
+        help="a subset (ratios need both routes of a pair)",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--route", choices=ROUTES + FUNCTIONAL_ROUTES, help=argparse.SUPPRESS
     )
     parser.add_argument("--numbers", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    size = "quick" if args.quick else args.size
     if args.route:  # a child process: one route
         run = _run_functional if args.route in FUNCTIONAL_ROUTES else _run_route
-        print(json.dumps(run(args.route, args.quick, Path(args.numbers))))
+        print(json.dumps(run(args.route, size, Path(args.numbers))))
         return
     results, numbers = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for route in ROUTES + FUNCTIONAL_ROUTES:
+        for route in args.routes:
             path = Path(tmp) / f"{route}.pt"
             command = [sys.executable, str(Path(__file__).resolve())]
-            command += ["--route", route, "--numbers", str(path)]
-            command += ["--quick"] if args.quick else []
+            command += ["--route", route, "--numbers", str(path), "--size", size]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             results[route] = json.loads(done.stdout.strip().splitlines()[-1])
             numbers[route] = torch.load(path)
-    ref, ours = numbers["jacobians"], numbers["factors"]
-    agreement = {
-        key: _relative(ours[key], ref[key]) for key in ("mean", "var", "evidence")
-    }
-    functional = {
-        key: numbers[route] for key, route in zip(("ours", "ref"), FUNCTIONAL_ROUTES)
-    }
-    agreement["functional mean"] = _relative(
-        functional["ours"]["mean"], functional["ref"]["mean"]
-    )
-    agreement["functional var"] = _relative(
-        functional["ours"]["var"], functional["ref"]["var"]
-    )
-    fast, slow = results["factors"], results["jacobians"]
-    f_fast, f_slow = (results[route] for route in FUNCTIONAL_ROUTES)
     report = {
-        "case": _case(args.quick),
+        "case": _case(size),
         "routes": results,
-        "max relative difference, factors vs jacobians": agreement,
-        "LocationFunctionalLaplace ratios (jacobians / factors)": {
-            key: f_slow[key] / f_fast[key]
-            for key in ("fit_s", "predict_s", "predict_added_peak_gib")
-        },
-        "ratios (jacobians / factors)": {
-            key: slow[key] / fast[key]
-            for key in (
-                "fit_s",
-                "predict_s",
-                "evidence_s",
-                "peak_rss_gib",
-                "added_peak_gib",
-            )
-        },
+        **_comparisons(results, numbers),
         "machine": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -235,9 +222,40 @@ def main() -> None:
     }
     text = json.dumps(report, indent=2)
     print(text)
-    out = args.out or (None if args.quick else Path(__file__).with_suffix(".json"))
+    default = {
+        "quick": None,
+        "issue": Path(__file__).with_suffix(".json"),
+        "large": Path(__file__).with_name("context_routes_large.json"),
+    }[size]
+    out = args.out or default
     if out:
         Path(out).write_text(text + "\n")
+
+
+def _comparisons(results: dict, numbers: dict) -> dict:
+    """Agreement and time/memory ratios of each pair of routes that both ran."""
+    report: dict = {}
+    if all(route in results for route in ROUTES):
+        ref, ours = numbers["jacobians"], numbers["factors"]
+        report["max relative difference, factors vs jacobians"] = {
+            key: _relative(ours[key], ref[key]) for key in ("mean", "var", "evidence")
+        }
+        fast, slow = results["factors"], results["jacobians"]
+        keys = ("fit_s", "predict_s", "evidence_s", "peak_rss_gib", "added_peak_gib")
+        report["ratios (jacobians / factors)"] = {
+            key: slow[key] / fast[key] for key in keys
+        }
+    if all(route in results for route in FUNCTIONAL_ROUTES):
+        ours, ref = (numbers[route] for route in FUNCTIONAL_ROUTES)
+        report["LocationFunctionalLaplace, max relative difference"] = {
+            key: _relative(ours[key], ref[key]) for key in ("mean", "var")
+        }
+        fast, slow = (results[route] for route in FUNCTIONAL_ROUTES)
+        keys = ("fit_s", "predict_s", "predict_added_peak_gib")
+        report["LocationFunctionalLaplace ratios (jacobians / factors)"] = {
+            key: slow[key] / fast[key] for key in keys
+        }
+    return report
 
 
 if __name__ == "__main__":
