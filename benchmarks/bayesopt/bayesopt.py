@@ -89,6 +89,7 @@ METHODS = (
     "Context(observations,finetune,kron-evidence)",
     "Context(observations,finetune,kron-evidence,network-mean)",
     "Context(observations,finetune,kron-evidence,residual-mean)",
+    "Context(observations,finetune,kron-evidence,network-mean,frozen-outcome)",
 )
 #: The flags a ``Context(...)`` method may combine (see ``_context``).
 CONTEXT_FLAGS = (
@@ -101,6 +102,7 @@ CONTEXT_FLAGS = (
     "residual-mean",
     "residual-noise",
     "kron-evidence",
+    "frozen-outcome",
     "noise",
 )
 #: laplace-bayesopt retrains its network for every observation; see ``--laplace-seeds``.
@@ -315,6 +317,7 @@ def _context(method: str, get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config
         predictive_mean=_mean(flags),
         noise_var="residuals" if "residual-noise" in flags else None,
         evidence="kron" if "kron-evidence" in flags else "exact",
+        outcome_statistics="initial" if "frozen-outcome" in flags else "training",
     )
 
 

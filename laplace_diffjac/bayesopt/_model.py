@@ -70,8 +70,9 @@ class ContextBoTorch(Model):
     input_transform : botorch InputTransform, optional
         Applied to every input (fitted on ``train_X`` at each training).
     outcome_transform : botorch OutcomeTransform, optional
-        E.g. ``Standardize(m=K)``; fitted at each training, fixed in between
-        (new observations are transformed with the statistics of the training).
+        E.g. ``Standardize(m=K)``; fitted at each training (or only at the
+        first, ``outcome_statistics='initial'``), fixed in between (new
+        observations are transformed with the statistics of the training).
     noise_var : float or 'residuals', optional
         Observation-noise variance in the transformed outcome space;
         ``'residuals'``: at each training the trained network's mean squared
@@ -126,6 +127,10 @@ class ContextBoTorch(Model):
         the Jacobians. For the small networks and q-batches of BO the Jacobians
         are cheaper (fewer, larger operations); ``True`` pays off for networks
         whose Jacobians of a batch are large.
+    outcome_statistics : {'training', 'initial'}, default='training'
+        The outcome transform's statistics: those of the observations at each
+        training, or those of the initial ones throughout (laplace-bayesopt's
+        ``LaplaceBoTorch``, whose models pass their fitted transform on).
     evidence : {'kron', 'exact'}, default='kron'
         The evidence whose maximum gives ``δ`` and ``σ`` at each training:
         ``'kron'``, laplace-torch's KFAC Laplace evidence, as ``LaplaceBoTorch``
@@ -168,13 +173,14 @@ class ContextBoTorch(Model):
         predictive_mean: str = "network",
         structured: bool = False,
         evidence: str = "kron",
+        outcome_statistics: str = "training",
     ) -> None:
         super().__init__()
         _check_data(train_X, train_Y, device)
         self._settings = SurrogateSettings(
             get_net, noise_var, n_epochs, lr, wd, batch_size, n_locations, locations,
             bounds, location_steps, n_domain, posthoc_marglik_iters, backend, seed,
-            predictive_mean, structured, evidence,
+            predictive_mean, structured, evidence, outcome_statistics,
         )  # fmt: skip
         self._schedule = RetrainSchedule() if retrain is None else retrain
         self.orig_train_X, self.orig_train_Y = train_X, train_Y
@@ -201,7 +207,9 @@ class ContextBoTorch(Model):
             self.input_transform.eval()
         if hasattr(self, "outcome_transform"):
             self.outcome_transform = copy.deepcopy(self.outcome_transform)
-            self.outcome_transform.train()
+            initial = s.outcome_statistics == "initial"
+            if not (initial and hasattr(self, "_fit")):  # else keep the first's
+                self.outcome_transform.train()
             Y, _ = self.outcome_transform(Y)
             self.outcome_transform.eval()
         self.train_X, self.train_Y = X.detach(), Y.detach()

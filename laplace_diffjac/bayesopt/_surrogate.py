@@ -34,6 +34,7 @@ __all__ = [
 LOCATION_KINDS = ("observations", "optimised", "random")
 PREDICTIVE_MEANS = ("dual", "network", "residual")
 EVIDENCES = ("exact", "kron")
+OUTCOME_STATISTICS = ("training", "initial")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class SurrogateSettings:
     predictive_mean: str = "network"
     structured: bool = False
     evidence: str = "kron"
+    outcome_statistics: str = "training"
 
     def __post_init__(self) -> None:
         if self.locations not in LOCATION_KINDS:
@@ -76,6 +78,11 @@ class SurrogateSettings:
         if self.evidence not in EVIDENCES:
             raise InvalidInputError(
                 f"evidence must be 'exact' or 'kron', got {self.evidence!r}."
+            )
+        if self.outcome_statistics not in OUTCOME_STATISTICS:
+            raise InvalidInputError(
+                "outcome_statistics must be 'training' or 'initial', got "
+                f"{self.outcome_statistics!r}."
             )
         for name in ("n_epochs", "batch_size", "n_locations", "n_domain"):
             value = getattr(self, name)

@@ -594,3 +594,27 @@ def test_kron_evidence_refits_between_trainings_with_its_values():
     assert torch.equal(new.sigma_noise, old.sigma_noise)
     with pytest.raises(InvalidInputError, match="evidence"):
         ContextBoTorch(_factory(), X, Y, n_epochs=1, evidence="kfac")
+
+
+@pytest.mark.parametrize("statistics", ["training", "initial"])
+def test_outcome_statistics_of_each_training_or_of_the_initial_data(statistics):
+    X, Y = _data(8, 0)
+    torch.manual_seed(0)
+    model = ContextBoTorch(
+        _factory(), X, Y * 10 + 3, outcome_transform=Standardize(m=1), n_epochs=5,
+        posthoc_marglik_iters=2, retrain=RetrainSchedule(every=2, finetune_epochs=0),
+        outcome_statistics=statistics,
+    )  # fmt: skip
+    x_new, y_new = _data(2, 5)
+    retrained = model.condition_on_observations(x_new, y_new * 100)
+    assert retrained.trainings == 2
+    all_Y = torch.cat([Y * 10 + 3, y_new * 100])
+    expected = (Y * 10 + 3) if statistics == "initial" else all_Y
+    transform = retrained.outcome_transform
+    torch.testing.assert_close(transform.means.squeeze(), expected.mean())
+    torch.testing.assert_close(transform.stdvs.squeeze(), expected.std())
+    torch.testing.assert_close(
+        retrained.train_Y, (all_Y - expected.mean()) / expected.std()
+    )
+    with pytest.raises(InvalidInputError, match="outcome_statistics"):
+        ContextBoTorch(_factory(), X, Y, n_epochs=1, outcome_statistics="running")
