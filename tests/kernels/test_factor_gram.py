@@ -251,3 +251,48 @@ def test_the_cost_model_counts_the_multiply_adds_the_gram_runs(name: str) -> Non
             modelled = 2 * gram_multiply_adds(left, right, params, prior_var)
             assert counted <= modelled <= 1.1 * counted, (right is None, right is left)
             assert jacobian_gram_multiply_adds(left, right, params) > modelled / 2
+
+
+class _FewPositionsCNN(nn.Module):
+    """A second convolution with 4 output positions and many weights per position:
+    its factor Gram is cheaper than its block's, so the factor route takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3)
+        self.head = nn.Linear(16 * 2 * 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv1(x))
+        return self.head(torch.tanh(self.conv2(h)).flatten(1))
+
+
+def _few_positions_cnn():
+    torch.manual_seed(3)
+    model = _FewPositionsCNN().double().eval()
+    x = torch.randn(
+        5, 1, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4)
+    )
+    return model, x
+
+
+@pytest.mark.parametrize("name", ["few-positions-cnn", "token-transformer"])
+def test_gram_in_chunks_of_one_sample_equals_loop(name: str, monkeypatch) -> None:
+    """Products over positions contract batch 2 in chunks; one sample each here."""
+    from laplace_diffjac.kernels import _factor_gram
+
+    build = _few_positions_cnn if name == "few-positions-cnn" else lambda: _built(name)
+
+    monkeypatch.setattr(_factor_gram, "_CHUNK_ELEMENTS", 1)
+    calls = []
+    chunked = _factor_gram._chunked_product_gram
+
+    def counted(g1, inputs, g2):
+        calls.append(g2.shape[0])
+        return chunked(g1, inputs, g2)
+
+    monkeypatch.setattr(_factor_gram, "_chunked_product_gram", counted)
+    _check_gram(*build())
+    _check_gradients(*build())
+    assert calls and max(calls) > 1  # the route ran, in more than one chunk
