@@ -80,8 +80,14 @@ def _case(size: str) -> dict:
     return CASES[size]
 
 
-def _run_route(route: str, size: str, out: Path) -> dict:
-    """One route in this process: times, peak memory; saves its numbers to ``out``."""
+def _problem(
+    size: str,
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The seeded model, data ``(x, y)``, locations ``z`` and test inputs ``xs``.
+
+    Also sets two threads. Data: seeded normal inputs, the network's own outputs
+    plus noise as targets; the locations are the first ``M`` inputs.
+    """
     torch.set_num_threads(2)
     case = _case(size)
     torch.manual_seed(0)
@@ -92,6 +98,12 @@ def _run_route(route: str, size: str, out: Path) -> dict:
         y = model(x) + 0.1 * torch.randn(case["N"], case["widths"][-1], generator=gen)
     z = x[: case["M"]].clone()
     xs = torch.randn(case["n_test"], case["widths"][0], generator=gen)
+    return model, x, y, z, xs
+
+
+def _run_route(route: str, size: str, out: Path) -> dict:
+    """One route in this process: times, peak memory; saves its numbers to ``out``."""
+    model, x, y, z, xs = _problem(size)
     cp = ContextPosterior(
         model, "regression", z, sigma_noise=0.1, prior_precision=1.0,
         predictive_mean="dual", structured=route == "factors",
@@ -126,16 +138,7 @@ def _run_functional(route: str, size: str, out: Path) -> dict:
 
     from laplace_diffjac import LocationFunctionalLaplace
 
-    torch.set_num_threads(2)
-    case = _case(size)
-    torch.manual_seed(0)
-    model = ClassMLP(case["widths"]).eval()
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(case["N"], case["widths"][0], generator=gen)
-    with torch.no_grad():
-        y = model(x) + 0.1 * torch.randn(case["N"], case["widths"][-1], generator=gen)
-    z = x[: case["M"]].clone()
-    xs = torch.randn(case["n_test"], case["widths"][0], generator=gen)
+    model, x, y, z, xs = _problem(size)
     la = LocationFunctionalLaplace(
         model, "regression", z, sigma_noise=0.1, prior_precision=1.0,
         structured=route == "functional-factors",

@@ -355,6 +355,21 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b).abs().max() / b.abs().max())
 
 
+def _exact_gp_errors(model: ContextBoTorch, x_star: torch.Tensor):
+    """Relative errors of the predicted mean shift and covariance reduction.
+
+    Against :func:`_exact_gp` (the linearised network's GP on all observations,
+    dual mean), each relative to the reference term's largest entry.
+    """
+    predicted = model.posterior(x_star)
+    prior_mean, shift, prior_cov, reduction = _exact_gp(model, x_star)
+    return (
+        _relative_error(predicted.mean.squeeze(-1) - prior_mean, shift),
+        _relative_error(prior_cov - predicted.distribution.covariance_matrix,
+                        reduction),
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("locations", ["observations", "random"])
 def test_observations_as_locations_give_the_exact_gp_after_every_update(locations):
     model = _model(locations, n_locations=12 if locations == "observations" else 4)
@@ -368,13 +383,7 @@ def test_observations_as_locations_give_the_exact_gp_after_every_update(location
         post = model.context_posterior
         assert (float(post.prior_precision), float(post.sigma_noise)) == hyper
         assert model.trainings == 1
-        predicted = model.posterior(x_star)
-        prior_mean, shift, prior_cov, reduction = _exact_gp(model, x_star)
-        errors = (
-            _relative_error(predicted.mean.squeeze(-1) - prior_mean, shift),
-            _relative_error(prior_cov - predicted.distribution.covariance_matrix,
-                            reduction),
-        )  # fmt: skip
+        errors = _exact_gp_errors(model, x_star)
         if locations == "observations":
             assert torch.equal(post.locations, model.train_X)
             # Exact up to the jitter of K_ZZ (1e-8 of its mean diagonal).
@@ -570,13 +579,7 @@ def test_kron_evidence_tunes_as_laplace_bayesopt(noise_var):
     assert delta != pytest.approx(torch.e, rel=1e-3)  # δ moved from its start
     # The posterior is the exact GP of the linearised network with those values.
     x_star = _data(4, 9)[0]
-    predicted = model.posterior(x_star)
-    prior_mean, shift, prior_cov, reduction = _exact_gp(model, x_star)
-    errors = (
-        _relative_error(predicted.mean.squeeze(-1) - prior_mean, shift),
-        _relative_error(prior_cov - predicted.distribution.covariance_matrix,
-                        reduction),
-    )  # fmt: skip
+    errors = _exact_gp_errors(model, x_star)
     assert max(errors) < 1e-4, errors
     for name, value in model.net.state_dict().items():
         assert torch.equal(value, before[name])
