@@ -347,7 +347,7 @@ def _chunked_product_gram(
         ``(B1, B2, V, V)``.
 
     """
-    batch1, n_rows, n_out, positions = g1.shape
+    batch1, _, n_out, positions = g1.shape
     per_sample = batch1 * positions * g2.shape[1] * n_out
     chunk = max(1, _CHUNK_ELEMENTS // max(per_sample, 1))
     blocks = []

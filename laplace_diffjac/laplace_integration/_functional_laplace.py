@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..backends import DiffBackPackGGN, upstream_stand_in
 from ..data import Data, SizedLoader, TrainingData
+from ..jacobians._engine import JacobianFactors
 from ..kernels import factor_route_applies, output_hessians
 from ..kernels._factor_gram import factor_gram
 from ._compat import LAPLACE_VERSION
@@ -171,6 +172,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         self._lam_full: torch.Tensor | None = None  # (M, C, C), without 1/(σ² T)
         self._full_R: torch.Tensor | None = None
         self._full_chol: torch.Tensor | None = None
+        self._location_factors: JacobianFactors | None = None  # set per fit
 
     def fit(
         self,
@@ -214,6 +216,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             with torch.no_grad():
                 f = self.model(self.locations.to(self._device))
             self._lam_full = output_hessians(f.to(torch.float64), self.likelihood)
+        self._location_factors = None
         super().fit(sized, progress_bar=progress_bar)
         self._recompute_Sigma = False  # 0.2.3 leaves it set after fitting
         self._sigma_key = self._hyper_key()
@@ -315,9 +318,11 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             return super()._glm_predictive_distribution(X, joint=joint)
         with torch.enable_grad():  # as laplace-torch 0.3's decorator
             factors = backend.jacobian_factors(X, enable_backprop=self.enable_backprop)
-            located = backend.jacobian_factors(
-                self.locations.to(self._device), enable_backprop=False
-            )
+            if self._location_factors is None:  # fixed from fit on, as K_MM
+                self._location_factors = backend.jacobian_factors(
+                    self.locations.to(self._device), enable_backprop=False
+                )
+            located = self._location_factors
             params = list(backend.params)
             unit = torch.ones((), dtype=factors.f.dtype, device=factors.f.device)
             scale = self.gp_kernel_prior_variance
@@ -457,6 +462,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             raise ValueError("The state was saved with other reweight/output_hessian.")
         super().load_state_dict(state_dict)
         self.locations = state_dict["locations"].to(self._device)
+        self._location_factors = None
         self._lam_full = state_dict["lam_full"]
         batch_size = state_dict["sod_batch_size"]
         loader = DataLoader(TensorDataset(self.locations), batch_size=batch_size)
