@@ -219,7 +219,7 @@ def _train(
     """
     n = X.shape[0]
     steps_per_epoch = -(-n // s.batch_size)
-    optimizer = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=s.wd)
+    optimizer = _adam(list(net.parameters()), lr, s.wd)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
         optimizer, max(epochs * steps_per_epoch, 1)
     )
@@ -236,6 +236,23 @@ def _train(
     net.eval()
     for p in net.parameters():
         p.grad = None
+
+
+def _adam(
+    params: list[torch.Tensor], lr: float, weight_decay: float
+) -> torch.optim.Adam:
+    """Adam with PyTorch's fused kernel where it runs on the parameters' device.
+
+    The same update as the default (per-tensor) implementation, in one kernel
+    per step instead of about ten per parameter: for the small networks of BO,
+    whose steps are dominated by per-operation overhead, this halves a
+    training's time. Releases without a fused CPU kernel (before PyTorch 2.4)
+    refuse it; they get the multi-tensor (``foreach``) implementation.
+    """
+    try:
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, fused=True)
+    except RuntimeError:
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=True)
 
 
 def locations_are_observations(s: SurrogateSettings, n_observations: int) -> bool:

@@ -11,6 +11,13 @@ pytest.importorskip("botorch")
 
 
 @pytest.mark.slow
+# BoTorch's own notice that L-BFGS-B's line search stopped on one restart (it then
+# restarts from new points). It depends on the last bits of the trained network,
+# not on this package's code paths; every other warning stays an error. The
+# acquisition's gradients are checked by gradcheck in test_context_botorch.py.
+@pytest.mark.filterwarnings(
+    "ignore:Optimization failed in `gen_candidates_scipy`:RuntimeWarning"
+)
 def test_readme_bayesopt_loop_runs_and_retrains_on_schedule():
     namespace: dict = {}
     torch.manual_seed(0)
