@@ -19,10 +19,10 @@ and evidence above the resident memory just before ``fit``).
 The predictive variances and the evidence of the two routes are compared (``max
 relative difference``), so a fast wrong route shows. ``LocationFunctionalLaplace``
 on the same locations is measured the same way, each route in its own process
-(``functional-factors``: ``structured=True``, the test inputs' kernels from
-per-layer factors; ``functional-jacobians``: laplace-torch's route through their
-Jacobians): ``fit`` (the same for both: it forms the locations' Jacobians) and
-one prediction ``la(x*)``. Data: synthetic (seeded
+(``functional-factors``: ``structured=True``, ``K_MM`` and the test inputs'
+kernels from per-layer factors; ``functional-jacobians``: laplace-torch's
+``fit`` and prediction through the locations' and the test inputs' Jacobians):
+``fit`` and one prediction ``la(x*)``. Data: synthetic (seeded
 normal inputs, the network's own outputs plus noise as targets).
 
 Run: ``python benchmarks/context_posterior/context_routes.py [--quick | --size
@@ -254,7 +254,7 @@ def _comparisons(results: dict, numbers: dict) -> dict:
             key: _relative(ours[key], ref[key]) for key in ("mean", "var")
         }
         fast, slow = (results[route] for route in FUNCTIONAL_ROUTES)
-        keys = ("fit_s", "predict_s", "predict_added_peak_gib")
+        keys = ("fit_s", "predict_s", "fit_added_peak_gib", "predict_added_peak_gib")
         report["LocationFunctionalLaplace ratios (jacobians / factors)"] = {
             key: slow[key] / fast[key] for key in keys
         }

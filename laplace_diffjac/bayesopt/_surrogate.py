@@ -245,9 +245,14 @@ def _adam(
 
     The same update as the default (per-tensor) implementation, in one kernel
     per step instead of about ten per parameter: for the small networks of BO,
-    whose steps are dominated by per-operation overhead, this halves a
-    training's time. Releases without a fused CPU kernel (before PyTorch 2.4)
-    refuse it; they get the multi-tensor (``foreach``) implementation.
+    whose steps are dominated by per-operation overhead, this takes about a
+    quarter off each training step (median 0.71 against 0.97 ms, d-50-50-1,
+    batch 10, one thread). Releases without a fused CPU kernel (before PyTorch
+    2.4) refuse it; they get the multi-tensor (``foreach``) implementation.
+
+    Returns
+    -------
+    torch.optim.Adam
     """
     try:
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, fused=True)

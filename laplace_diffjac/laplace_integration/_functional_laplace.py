@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ..backends import DiffBackPackGGN, upstream_stand_in
 from ..data import Data, SizedLoader, TrainingData
 from ..jacobians._engine import JacobianFactors
+from ..jacobians._factor_products import factor_jvp
 from ..kernels import factor_route_applies, output_hessians
 from ..kernels._factor_gram import factor_gram
 from ._compat import LAPLACE_VERSION
@@ -118,10 +119,11 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         of the singular softmax Hessian). Not with ``independent_outputs=True``;
         the marginal likelihood still uses laplace-torch's diagonal factor.
     structured : bool, default=True
-        Predict (``la(x)``) from the backend's per-layer factors (the factor
-        route of :func:`laplace_diffjac.kernels.ntk`): ``k(x*, x*)`` and
-        ``k(x*, Z)`` without the test inputs' Jacobians ``(N*, C, P)``. It
-        applies to the backends with ``jacobian_factors`` (``DiffBackPackGGN``,
+        Fit and predict (``la(x)``) from the backend's per-layer factors (the
+        factor route of :func:`laplace_diffjac.kernels.ntk`): ``K_MM``,
+        ``k(x*, x*)`` and ``k(x*, Z)`` without the locations' or the test
+        inputs' Jacobians ``(M, C, P)``, ``(N*, C, P)``. It applies to the
+        backends with ``jacobian_factors`` (``DiffBackPackGGN``,
         ``DiffBackPackEF``) and dependent outputs; otherwise, and with
         ``False``, laplace-torch's route through the Jacobians. The public
         ``functional_variance(Js)`` and ``functional_covariance(Js)`` take
@@ -194,7 +196,8 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             loader, inputs or ``(x, y)``); not used beyond its size ``N`` and the
             model's output size.
         progress_bar : bool, default=False
-            Show laplace-torch's progress bar.
+            Show laplace-torch's progress bar (its Jacobian route; the factor
+            route is one pass over the locations).
         n_data : int, optional
             The number ``N`` of training points, instead of
             ``len(train_loader.dataset)``. Under ``torch.distributed`` with a
@@ -217,7 +220,10 @@ class LocationFunctionalLaplace(FunctionalLaplace):
                 f = self.model(self.locations.to(self._device))
             self._lam_full = output_hessians(f.to(torch.float64), self.likelihood)
         self._location_factors = None
-        super().fit(sized, progress_bar=progress_bar)
+        if self._factor_route_applies():
+            self._fit_from_factors(sized)
+        else:
+            super().fit(sized, progress_bar=progress_bar)
         self._recompute_Sigma = False  # 0.2.3 leaves it set after fitting
         self._sigma_key = self._hyper_key()
         if self.reweight:
@@ -230,6 +236,78 @@ class LocationFunctionalLaplace(FunctionalLaplace):
                 self.L = hessians * weight
             self._build_Sigma_inv()
             self._recompute_Sigma = False
+
+    def _factor_route_applies(self) -> bool:
+        """Whether ``fit`` and ``la(x)`` can work from per-layer factors."""
+        return (
+            self.structured
+            and not self.independent_outputs
+            and factor_route_applies(self.backend)
+        )
+
+    def _fit_from_factors(self, train_loader: DataLoader) -> None:
+        """laplace-torch's ``FunctionalLaplace.fit`` without the locations' Jacobians.
+
+        The same state as laplace-torch's loop (``K_MM``, ``L``, ``mu``, ``loss``,
+        the subset loader and sizes, ``Sigma_inv``), from one pass over the
+        locations: ``K_MM`` is the Gram of their per-layer factors
+        (:func:`~laplace_diffjac.kernels.ntk`'s factor route) and the scatter
+        term's ``J (μ₀ − θ*)`` their Jacobian-vector product from the same
+        factors, so neither the
+        ``(M, C, P)`` Jacobians nor laplace-torch's second pass per pair of
+        batches is formed. laplace-torch reads the output size from the first
+        training batch; the locations' outputs give it here (the same for a
+        network with one output layer).
+
+        Parameters
+        ----------
+        train_loader : DataLoader
+            The training loader with its size (``len(.dataset) = N``).
+
+        Raises
+        ------
+        ValueError
+            If there are more locations than training points (laplace-torch's
+            ``n_subset <= N``).
+
+        """
+        self.model.eval()
+        N = len(train_loader.dataset)  # type: ignore[arg-type]
+        if self.n_subset > N:
+            raise ValueError(
+                f"There are {self.n_subset} locations but {N} training points; "
+                "use at most as many locations as training points."
+            )
+        self.n_data = N
+        self.batch_size = train_loader.batch_size
+        self.train_loader = self._get_SoD_data_loader(train_loader)
+        self._prior_factor_sod = self.n_subset / self.n_data
+        backend = self.backend
+        Z = self.locations.to(self._device)
+        factors = backend.jacobian_factors(Z, enable_backprop=False)
+        self._location_factors = factors
+        f = factors.f.detach()
+        self.n_outputs = f.shape[-1]
+        self.model.output_size = self.n_outputs  # as laplace-torch's fit
+        y = f.argmax(dim=-1) if self.likelihood == "classification" else f
+        with torch.no_grad():
+            self.loss += backend.factor * backend.lossfunc(f, y)
+        M, C = f.shape
+        if self.likelihood == "regression":
+            eye = torch.eye(C, device=self._device, dtype=self._dtype)
+            lambdas = eye.unsqueeze(0).repeat(M, 1, 1)
+        else:
+            ps = torch.softmax(f, dim=-1)
+            lambdas = torch.diag_embed(ps) - torch.einsum("mk,mc->mck", ps, ps)
+        params = list(backend.params)
+        shift = factor_jvp(factors, params, self.prior_mean - self.mean).detach()
+        self.mu = (y - (f + shift)) if self.likelihood == "regression" else -shift
+        unit = torch.ones((), dtype=f.dtype, device=f.device)
+        gram = factor_gram(factors, factors, params, unit).detach()  # [m, n, c, e]
+        self.K_MM = gram.permute(0, 2, 1, 3).reshape(M * C, M * C).to(self._dtype)
+        self.L = self._build_L([lambdas])
+        self._build_Sigma_inv()
+        self._fitted = True
 
     def _hyper_key(self) -> tuple:
         """The hyperparameters the factor depends on, as plain numbers."""
@@ -309,12 +387,7 @@ class LocationFunctionalLaplace(FunctionalLaplace):
 
         """
         backend = self.backend
-        if (
-            not self.structured
-            or self.independent_outputs
-            or not isinstance(X, torch.Tensor)
-            or not factor_route_applies(backend)
-        ):
+        if not isinstance(X, torch.Tensor) or not self._factor_route_applies():
             return super()._glm_predictive_distribution(X, joint=joint)
         with torch.enable_grad():  # as laplace-torch 0.3's decorator
             factors = backend.jacobian_factors(X, enable_backprop=self.enable_backprop)

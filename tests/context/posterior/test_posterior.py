@@ -203,6 +203,10 @@ def test_location_functional_laplace_equals_random_subset(likelihood):
         torch.testing.assert_close(ours.K_MM, vanilla.K_MM)
         torch.testing.assert_close(ours.L, vanilla.L)
         torch.testing.assert_close(ours.Sigma_inv, vanilla.Sigma_inv)
+        # J(z) θ* from the factors (the scatter means) against laplace-torch's J.
+        torch.testing.assert_close(ours.mu, vanilla.mu)
+        if likelihood == "regression":  # the same targets: y = f(x)
+            torch.testing.assert_close(ours.loss, vanilla.loss)
         pred_v = vanilla(xs, pred_type="gp")
         pred_o = ours(xs, pred_type="gp")
         if likelihood == "regression":
@@ -329,6 +333,59 @@ def test_location_functional_laplace_predicts_the_dense_gp_by_either_route(
         f = model(xs)
     torch.testing.assert_close(f_mu, f.flatten() if joint else f)
     assert not f_var.requires_grad  # enable_backprop=False
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_location_functional_laplace_fits_from_factors_as_from_jacobians(
+    likelihood, case
+):
+    """The factor fit (no Jacobians) leaves laplace-torch's loop's state.
+
+    ``K_MM`` against the float64 reference Jacobians' Gram, and every fitted
+    quantity against ``structured=False`` (laplace-torch's own loop over batches
+    of the locations, with Jacobians): the scatter means ``J (μ₀ − θ*)`` with a
+    nonzero prior mean, the Hessians, the factor, the loss and the evidence.
+    """
+    model = case.model()
+    N, M = 20, 5
+    x, z = case.inputs(N, 1), case.inputs(M, 2)
+    y = model(x).detach() if likelihood == "regression" else torch.arange(N) % 3
+    loader = DataLoader(TensorDataset(x, y), batch_size=2)  # 3 location batches
+    n_params = sum(p.numel() for p in model.parameters())
+    prior_mean = 0.1 * torch.randn(n_params, generator=torch.Generator().manual_seed(4))
+    kwargs = {"prior_precision": 1.5, "prior_mean": prior_mean.double()}
+    fits = {}
+    for structured in (True, False):
+        la = LocationFunctionalLaplace(
+            copy.deepcopy(model), likelihood, z, structured=structured, **kwargs
+        )
+        if structured:
+
+            def refuse(*args, **kwargs):
+                raise AssertionError("the factor fit called backend.jacobians")
+
+            la.backend.jacobians = refuse
+        la.fit(loader)
+        fits[structured] = la
+    ours, theirs = fits[True], fits[False]
+    Jz, _ = reference_jacobians(model, z)
+    P = Jz.shape[-1]
+    torch.testing.assert_close(
+        ours.K_MM, Jz.reshape(-1, P) @ Jz.reshape(-1, P).T, rtol=1e-10, atol=1e-12
+    )
+    for name in ("K_MM", "L", "mu", "Sigma_inv", "loss"):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name))
+    assert (ours.n_data, ours.n_outputs, ours.batch_size) == (
+        theirs.n_data, theirs.n_outputs, theirs.batch_size,
+    )  # fmt: skip
+    assert ours.mu.abs().max() > 1e-3  # the prior mean's shift is not trivial
+    torch.testing.assert_close(
+        ours.log_marginal_likelihood(), theirs.log_marginal_likelihood()
+    )
+    xs = case.inputs(3, 3)
+    for a, b in zip(ours(xs), theirs(xs)):
+        torch.testing.assert_close(a, b)
 
 
 def test_location_functional_laplace_factor_route_gradients_in_x():
