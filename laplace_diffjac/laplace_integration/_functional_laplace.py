@@ -293,15 +293,12 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         with torch.no_grad():
             self.loss += backend.factor * backend.lossfunc(f, y)
         M, C = f.shape
-        if self.likelihood == "regression":
-            eye = torch.eye(C, device=self._device, dtype=self._dtype)
-            lambdas = eye.unsqueeze(0).repeat(M, 1, 1)
-        else:
-            ps = torch.softmax(f, dim=-1)
-            lambdas = torch.diag_embed(ps) - torch.einsum("mk,mc->mck", ps, ps)
+        lambdas = output_hessians(f, self.likelihood).to(self._dtype)
         params = list(backend.params)
+        # laplace-torch's scatter mean: y − (f + J (μ₀ − θ*)) for regression,
+        # −J (μ₀ − θ*) for classification; the pseudo-targets are y = f.
         shift = factor_jvp(factors, params, self.prior_mean - self.mean).detach()
-        self.mu = (y - (f + shift)) if self.likelihood == "regression" else -shift
+        self.mu = -shift
         unit = torch.ones((), dtype=f.dtype, device=f.device)
         gram = factor_gram(factors, factors, params, unit).detach()  # [m, n, c, e]
         self.K_MM = gram.permute(0, 2, 1, 3).reshape(M * C, M * C).to(self._dtype)
