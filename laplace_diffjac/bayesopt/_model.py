@@ -37,7 +37,8 @@ class _Fit:
 
     posterior: ContextPosterior  # its model is the trained network
     evidence_per_point: float
-    since_training: int
+    since_training: int  # observations
+    updates_since_training: int  # calls of condition_on_observations
     trainings: int
 
 
@@ -56,7 +57,7 @@ class ContextBoTorch(Model):
     network and a new fit of the posterior (the default), or a dual update (the
     new observations folded into the posterior's sums: mean and covariance
     move, the network does not; with ``predictive_mean='dual'`` the mean moves
-    too). laplace-bayesopt's ``LaplaceBoTorch`` retrains on every observation.
+    too). laplace-bayesopt's ``LaplaceBoTorch`` retrains on every update.
 
     Parameters
     ----------
@@ -96,10 +97,10 @@ class ContextBoTorch(Model):
         ``(2, d)`` box of the (transformed) inputs where locations go; default
         the box of the observations at each training.
     retrain : RetrainSchedule, default=RetrainSchedule()
-        When to retrain from scratch (default every 10 observations) and how
-        many epochs to fine-tune after each observation in between (default
-        50); ``RetrainSchedule(every=None, finetune_epochs=0)``: dual updates
-        only.
+        When to retrain from scratch (default every 10 updates: calls of
+        ``condition_on_observations``, whatever their batch size) and how many
+        epochs to fine-tune after each update in between (default 50);
+        ``RetrainSchedule(every=None, finetune_epochs=0)``: dual updates only.
     location_steps : int, default=100
         Steps of the location optimiser.
     n_domain : int, default=512
@@ -222,6 +223,7 @@ class ContextBoTorch(Model):
             posterior,
             _evidence_per_point(posterior),
             since_training=0,
+            updates_since_training=0,
             trainings=1 if previous is None else previous.trainings + 1,
         )
 
@@ -268,7 +270,8 @@ class ContextBoTorch(Model):
         new.orig_train_X = torch.cat([self.orig_train_X, X])
         new.orig_train_Y = torch.cat([self.orig_train_Y, Y])
         since = self._fit.since_training + X.shape[0]
-        if self._schedule.due_on_count(since):
+        updates = self._fit.updates_since_training + 1
+        if self._schedule.due_on_count(updates):
             new._train()
             return new
         X_t, Y_t = self._transformed(X, Y)
@@ -284,6 +287,7 @@ class ContextBoTorch(Model):
             posterior,
             self._fit.evidence_per_point,
             since,
+            updates,
             self._fit.trainings,
         )
         schedule = self._schedule
@@ -428,6 +432,11 @@ class ContextBoTorch(Model):
     def observations_since_training(self) -> int:
         """Observations folded in by dual updates since the last training."""
         return self._fit.since_training
+
+    @property
+    def updates_since_training(self) -> int:
+        """Calls of ``condition_on_observations`` since the last training."""
+        return self._fit.updates_since_training
 
     def _set_transformed_inputs(self) -> None:
         """No-op: the inputs are transformed here, at training and on update."""

@@ -16,11 +16,14 @@ class RetrainSchedule:
 
     A retraining trains a fresh network on all observations, chooses the
     locations again and tunes ``δ`` (and ``σ``) by the evidence. It happens when
-    either condition below holds after the new observations are counted.
-    Between retrainings every new observation fine-tunes the network
-    (``finetune_epochs``) and fits the posterior again, or, with
-    ``finetune_epochs=0``, is a dual update of the context posterior (its
-    covariance and its dual mean move; the network stays). With the
+    either condition below holds after an update is counted. An update is one
+    call of ``condition_on_observations``: one Bayesian-optimisation iteration,
+    one observation at ``q = 1`` and a batch of ``q`` otherwise, as
+    laplace-bayesopt's ``LaplaceBoTorch`` retrains once per call. Between
+    retrainings every update fine-tunes the network (``finetune_epochs``) and
+    fits the posterior again, or, with ``finetune_epochs=0``, is a dual update
+    of the context posterior (its covariance and its dual mean move; the
+    network stays). With the
     observations as locations (``ContextBoTorch(locations='observations')``,
     while they fit) the posterior is fitted again in any case: the new
     observation becomes a location.
@@ -28,8 +31,9 @@ class RetrainSchedule:
     Attributes
     ----------
     every : int or None, default=10
-        Retrain once this many observations arrived since the last training
-        (``None``: never on count).
+        Retrain at this many updates since the last training, whatever their
+        batch size: one retraining for every ``every`` of ``LaplaceBoTorch``'s,
+        at any ``q`` (``None``: never on count).
     evidence_drop : float or None, default=None
         Retrain when the log evidence per observation, after the dual update,
         fell by more than this below its value after the last training: the
@@ -37,7 +41,7 @@ class RetrainSchedule:
         evidence).
     finetune_epochs : int, default=50
         Between retrainings, train the current network this many further epochs
-        on all observations after every new one (warm-started, a tenth of the
+        on all observations after every update (warm-started, a tenth of the
         training's learning rate), then fit the posterior again with the
         hyperparameters of the last training (``0``: dual updates only, the
         network fixed).
@@ -75,15 +79,15 @@ class RetrainSchedule:
                 f"got {drop!r}."
             )
 
-    def due_on_count(self, since_training: int) -> bool:
-        """Whether ``since_training`` new observations call for a retraining.
+    def due_on_count(self, updates: int) -> bool:
+        """Whether ``updates`` updates since the last training call for one.
 
         Returns
         -------
         bool
 
         """
-        return self.every is not None and since_training >= self.every
+        return self.every is not None and updates >= self.every
 
     def due_on_evidence(self, per_point: float, at_training: float) -> bool:
         """Whether the evidence per observation dropped too far since training.

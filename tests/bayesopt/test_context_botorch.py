@@ -237,7 +237,22 @@ def test_optimize_acqf_loop_with_analytic_and_monte_carlo_acquisitions():
         X, Y = torch.cat([X, x]), torch.cat([Y, y])
         model = model.condition_on_observations(x, y)
     assert model.orig_train_X.shape[0] == 12
-    assert model.trainings == 2  # retrained once: 1 + 2 new observations >= 2
+    assert model.trainings == 2  # retrained once, at the second update (q = 2)
+    assert model.updates_since_training == 1
+    assert model.observations_since_training == 1
+
+
+def test_a_q_batch_counts_once_towards_retraining():
+    """``every`` counts updates (BO iterations), not the observations in them."""
+    model = _model(retrain=RetrainSchedule(every=2, finetune_epochs=0))
+    x_new, y_new = _data(3, 5)
+    first = model.condition_on_observations(x_new, y_new)
+    assert first.trainings == 1
+    assert first.updates_since_training == 1
+    assert first.observations_since_training == 3
+    second = first.condition_on_observations(x_new[:1], y_new[:1])
+    assert second.trainings == 2
+    assert second.updates_since_training == second.observations_since_training == 0
 
 
 def test_retraining_on_evidence_drop():
@@ -605,7 +620,7 @@ def test_outcome_statistics_of_each_training_or_of_the_initial_data(statistics):
     torch.manual_seed(0)
     model = ContextBoTorch(
         _factory(), X, Y * 10 + 3, outcome_transform=Standardize(m=1), n_epochs=5,
-        posthoc_marglik_iters=2, retrain=RetrainSchedule(every=2, finetune_epochs=0),
+        posthoc_marglik_iters=2, retrain=RetrainSchedule(every=1, finetune_epochs=0),
         outcome_statistics=statistics,
     )  # fmt: skip
     x_new, y_new = _data(2, 5)
