@@ -71,18 +71,64 @@ def factor_gram(
     if not diagonal:
         shape = (left.batch, other.batch, left.n_rows, other.n_rows)
     dtype = torch.promote_types(left.f.dtype, prior_var.dtype)
-    total = torch.zeros(shape, dtype=dtype, device=left.f.device)
+    # Gram-sized sums, added in place (every fresh Gram-sized tensor is a pass
+    # over memory, and on CPU a page-faulting one): the blocks that carry their
+    # prior, and per constant prior (by identity: one for a scalar prior) the
+    # unscaled blocks it multiplies once at the end.
+    scaled: _Sum = _Sum(dtype)
+    unscaled: dict[int, tuple[torch.Tensor, _Sum]] = {}
     for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
         scale = _constant(var)
         costs = _route_costs(entries1, entries2, diagonal, right is left, p.numel())
-        if scale is not None and costs.factor_chosen:
-            block = sum(
-                _pair_gram(e1, e2, diagonal) for e1 in entries1 for e2 in entries2
-            )
-            total = total + scale * block
+        if scale is None:
+            scaled.add(_block_gram(left, other, p, var, diagonal))
+            continue
+        _, acc = unscaled.setdefault(id(scale), (scale, _Sum(dtype)))
+        if costs.factor_chosen:
+            for e1 in entries1:
+                for e2 in entries2:
+                    acc.add(_pair_gram(e1, e2, diagonal, symmetric=e1 is e2))
         else:
-            total = total + _block_gram(left, other, p, var, diagonal)
-    return total
+            acc.add(_block_gram(left, other, p, None, diagonal))
+    for scale, acc in unscaled.values():
+        scaled.add(scale * acc.value(shape, left.f.device))
+    return scaled.value(shape, left.f.device)
+
+
+class _Sum:
+    """A running sum of Gram-sized tensors, added in place where that is safe.
+
+    A tensor that is not a view is the result of one of this module's
+    contractions, concatenations or products, which no backward function
+    saves: the sum adds into the first such tensor. A view (``einsum``'s
+    permuted results) is not written into, since autograd would copy its base;
+    adding two views makes a new tensor, which later terms are added into. An
+    addition's backward needs neither operand.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.total: torch.Tensor | None = None
+        self.owned = False  # ``total`` may be written in place
+
+    def add(self, term: torch.Tensor) -> None:
+        """Add ``term``, which nothing else uses afterwards."""
+        term = term.to(self.dtype)
+        writable = term._base is None
+        if self.total is None:
+            self.total, self.owned = term, writable
+        elif self.owned:
+            self.total = self.total.add_(term)
+        elif writable:
+            self.total, self.owned = term.add_(self.total), True
+        else:
+            self.total, self.owned = self.total + term, True
+
+    def value(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The sum (zeros of ``shape`` if nothing was added)."""
+        if self.total is None:
+            return torch.zeros(shape, dtype=self.dtype, device=device)
+        return self.total
 
 
 def gram_multiply_adds(
@@ -199,12 +245,20 @@ def _block_gram(
     left: JacobianFactors,
     right: JacobianFactors,
     p: torch.Tensor,
-    var: torch.Tensor,
+    var: torch.Tensor | None,
     diagonal: bool,
 ) -> torch.Tensor:
-    """The block route: write ``p``'s block for both batches and contract."""
+    """The block route: write ``p``'s block for both batches and contract.
+
+    ``var``: ``p``'s prior variance, ``(p.numel(),)`` or ``()``; ``None``: unscaled.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B1, B2, V, V)``, or ``(B1, V, V)`` on the diagonal.
+    """
     J1 = assemble(left.factors, [p], left.n_rows, left.batch, left.f)
-    J1v = J1 * var
+    J1v = J1 if var is None else J1 * var
     if diagonal:
         return torch.einsum("bvn,bwn->bvw", J1v, J1)
     same = right is left  # a symmetric Gram: the block is written once
@@ -257,7 +311,11 @@ def _route_costs(
         and contracting.
 
     """
-    costs = [_pair_cost(e1, e2, diagonal) for e1 in entries1 for e2 in entries2]
+    costs = [
+        _pair_cost(e1, e2, diagonal, symmetric and e1 is e2)
+        for e1 in entries1
+        for e2 in entries2
+    ]
     known = [cost for cost in costs if cost is not None]
     factor = sum(cost[0] for cost in known) if len(known) == len(costs) else None
     factor_memory = max((cost[1] for cost in known), default=0)
@@ -288,8 +346,20 @@ def _write_cost(e: Factors, size: int) -> int:
     return n_rows * batch * size * positions
 
 
-def _pair_cost(e1: Factors, e2: Factors, diagonal: bool) -> tuple[int, int] | None:
-    """Multiply-adds and largest intermediate of the factor route, if it has one."""
+def _pair_cost(
+    e1: Factors, e2: Factors, diagonal: bool, symmetric: bool = False
+) -> tuple[int, int] | None:
+    """Multiply-adds and largest intermediate of the factor route, if it has one.
+
+    ``symmetric``: ``e2`` is ``e1`` in the Gram of a batch with itself, where a
+    Product over positions is computed for the pairs of the chunks on and below
+    the diagonal only (:func:`_chunked_product_gram`).
+
+    Returns
+    -------
+    tuple of int or None
+        Multiply-adds and the largest intermediate's elements.
+    """
     if type(e1) is not type(e2) or not isinstance(e1, (Product, Summed, Scattered)):
         return None
     n_rows1, batch1 = _rows_and_batch(e1)
@@ -305,6 +375,9 @@ def _pair_cost(e1: Factors, e2: Factors, diagonal: bool) -> tuple[int, int] | No
         if len1 == 1 and len2 == 1:
             return pairs * (width + rows * n_out), pairs * rows
         inputs = pairs * len1 * len2 * width
+        if symmetric and not diagonal:  # as _chunked_product_gram runs it
+            chunks = _lower_chunks(batch1, len1 * n_rows2 * n_out)
+            pairs = sum((batch1 - start) * (stop - start) for start, stop in chunks)
         mixed = pairs * len1 * len2 * n_rows2 * n_out
         return (
             inputs + mixed + pairs * len1 * rows * n_out,
@@ -322,7 +395,10 @@ _CHUNK_ELEMENTS = 2**20
 
 
 def _chunked_product_gram(
-    g1: torch.Tensor, inputs: torch.Tensor, g2: torch.Tensor
+    g1: torch.Tensor,
+    inputs: torch.Tensor,
+    g2: torch.Tensor,
+    symmetric: bool = False,
 ) -> torch.Tensor:
     """``Σ_{l,m} (a1_l·a2_m) (g1_l g2_mᵀ)`` of two Products, batch 2 in chunks.
 
@@ -331,6 +407,9 @@ def _chunked_product_gram(
     dimensions as small as the number of positions, spend their time copying
     it (a small CNN's second convolution: 84 MB, most of its Gram's time).
     Chunks of batch 2 keep it near :data:`_CHUNK_ELEMENTS` (half the time there).
+    For the Gram of a batch with itself only the blocks on and below the
+    diagonal are computed (a little over half the work); the others are their
+    transposes.
 
     Parameters
     ----------
@@ -340,6 +419,8 @@ def _chunked_product_gram(
         ``(B1, B2, L1, L2)`` inputs' inner products ``a1_l·a2_m``.
     g2 : torch.Tensor
         ``(B2, V, out, L2)`` signals of batch 2.
+    symmetric : bool, default=False
+        Batch 2 is batch 1 (``g2`` is ``g1`` and ``inputs`` symmetric).
 
     Returns
     -------
@@ -348,18 +429,92 @@ def _chunked_product_gram(
 
     """
     batch1, _, n_out, positions = g1.shape
-    per_sample = batch1 * positions * g2.shape[1] * n_out
-    chunk = max(1, _CHUNK_ELEMENTS // max(per_sample, 1))
-    blocks = []
-    for start in range(0, g2.shape[0], chunk):
-        stop = start + chunk
-        mixed = torch.einsum("bclm,cwom->bclwo", inputs[:, start:stop], g2[start:stop])
-        blocks.append(torch.einsum("bvol,bclwo->bcvw", g1, mixed))
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+    per_row = positions * g2.shape[1] * n_out  # the intermediate's, per pair
+    # Chunks are taken by ``torch.split``, whose backward writes one gradient;
+    # slicing's writes a zero tensor of the whole per slice and adds them.
+    if not symmetric:
+        chunk = max(1, _CHUNK_ELEMENTS // max(batch1 * per_row, 1))
+        if chunk >= g2.shape[0]:
+            return _product_block(g1, inputs, g2)
+        blocks = [
+            _product_block(g1, part, g2_part)
+            for part, g2_part in zip(
+                inputs.split(chunk, dim=1), g2.split(chunk), strict=True
+            )
+        ]
+        return torch.cat(blocks, dim=1)
+    chunks = _lower_chunks(batch1, per_row)
+    if len(chunks) == 1:
+        return _product_block(g1, inputs, g2)
+    sizes = [stop - start for start, stop in chunks]
+    rows, columns = g1.split(sizes), inputs.split(sizes, dim=1)
+    lower = []  # lower[j]: Gram[s_j:, s_j:e_j], the chunks on and below the diagonal
+    for j, (start, _) in enumerate(chunks):
+        g1_rows = g1 if j == 0 else torch.cat(rows[j:])
+        lower.append(_product_block(g1_rows, columns[j][start:], rows[j]))
+    pieces = [block.split(sizes[j:]) for j, block in enumerate(lower)]
+    gram_columns = []
+    for j, block in enumerate(lower):
+        above = [  # Gram[chunk i, chunk j] = Gram[chunk j, chunk i]ᵀ
+            pieces[i][j - i].permute(1, 0, 3, 2) for i in range(j)
+        ]
+        gram_columns.append(torch.cat([*above, block], dim=0))
+    return torch.cat(gram_columns, dim=1)
 
 
-def _pair_gram(e1: Factors, e2: Factors, diagonal: bool) -> torch.Tensor:
+def _product_block(
+    g1: torch.Tensor, inputs: torch.Tensor, g2: torch.Tensor
+) -> torch.Tensor:
+    """``(B1, B2, V, W)``: ``Σ_{l,m} inputs[b, c, l, m] (g1_l g2_mᵀ)``, unchunked.
+
+    Two batched products with the layouts chosen here, not by ``einsum``: the
+    intermediate ``(B2, B1 L1, W out)`` is copied once, to ``(B1, B2 W, L1 out)``,
+    whose rows are runs of ``out`` contiguous numbers (``einsum``'s layout gathers
+    every ``out``-th number, about a fifth slower for the whole step).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B1, B2, V, W)``.
+    """
+    batch1, n_rows1, n_out, len1 = g1.shape
+    batch2, n_rows2, _, len2 = g2.shape
+    inputs_c = inputs.permute(1, 0, 2, 3).reshape(batch2, batch1 * len1, len2)
+    signals2 = g2.reshape(batch2, n_rows2 * n_out, len2).transpose(1, 2)
+    mixed = torch.bmm(inputs_c, signals2)  # (c, b l, w o)
+    mixed = mixed.reshape(batch2, batch1, len1, n_rows2, n_out).permute(1, 0, 3, 2, 4)
+    mixed = mixed.reshape(batch1, batch2 * n_rows2, len1 * n_out)  # (b, c w, l o)
+    signals1 = g1.permute(0, 3, 2, 1).reshape(batch1, len1 * n_out, n_rows1)
+    gram = torch.bmm(mixed, signals1)  # (b, c w, v)
+    return gram.reshape(batch1, batch2, n_rows2, n_rows1).transpose(2, 3)
+
+
+def _lower_chunks(batch: int, per_row: int) -> list[tuple[int, int]]:
+    """Column chunks ``[start, stop)`` of a symmetric Gram, rows from ``start`` on.
+
+    Each chunk's intermediate, ``(batch − start) × (stop − start)`` pairs of
+    ``per_row`` elements, stays near :data:`_CHUNK_ELEMENTS`.
+
+    Returns
+    -------
+    list of tuple of int
+        ``(start, stop)`` per chunk, covering ``range(batch)``.
+    """
+    chunks, start = [], 0
+    while start < batch:
+        size = max(1, _CHUNK_ELEMENTS // max((batch - start) * per_row, 1))
+        chunks.append((start, min(start + size, batch)))
+        start += size
+    return chunks
+
+
+def _pair_gram(
+    e1: Factors, e2: Factors, diagonal: bool, symmetric: bool = False
+) -> torch.Tensor:
     """The factor route for one pair of same-kind entries (see :func:`_pair_cost`).
+
+    ``symmetric``: ``e2`` is ``e1`` (the Gram of a batch with itself), whose
+    Gram a Product over positions computes on and below the diagonal only.
 
     Einsum letters: ``b``/``c`` samples of batch 1/2 (both ``b`` on the
     diagonal), ``v``/``w`` rows, ``o`` outputs, ``l``/``m`` tokens, ``k`` inputs.
@@ -386,7 +541,7 @@ def _pair_gram(e1: Factors, e2: Factors, diagonal: bool) -> torch.Tensor:
         if diagonal:
             mixed = torch.einsum("blm,bwom->blwo", inputs, e2.g)
             return torch.einsum("bvol,blwo->bvw", e1.g, mixed)
-        return _chunked_product_gram(e1.g, inputs, e2.g)
+        return _chunked_product_gram(e1.g, inputs, e2.g, symmetric)
     assert isinstance(e1, Scattered) and isinstance(e2, Scattered)
     if diagonal:
         same = (e1.index[:, :, None] == e2.index[:, None, :]).to(e1.g.dtype)

@@ -358,8 +358,8 @@ def ntk(
             block_from(J1, x2c, symmetric and i == j)
             for j, x2c in enumerate(_chunks(x2, chunk_size))
         ]
-        rows.append(torch.cat(cols, dim=1))
-    return torch.cat(rows, dim=0)
+        rows.append(_cat(cols, dim=1))
+    return _cat(rows, dim=0)
 
 
 def ntk_diag(
@@ -404,7 +404,7 @@ def ntk_diag(
             factor_gram(factors(xc), None, params, prior_var)
             for xc in _chunks(x, chunk_size)
         ]
-        diag = torch.cat(parts, dim=0)
+        diag = _cat(parts, dim=0)
         return diag if dtype is None else diag.to(dtype)
     jac = _jacobian_fn(backend)
     out = []
@@ -412,7 +412,12 @@ def ntk_diag(
         J = jac(xc)
         J = J if dtype is None else J.to(dtype)
         out.append(torch.einsum("bcp,bep->bce", J * prior_var, J))
-    return torch.cat(out, dim=0)
+    return _cat(out, dim=0)
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat``, without its copy when there is one tensor."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
 
 
 def _blocks(
@@ -425,9 +430,9 @@ def _blocks(
     rows = []
     for x1c in _chunks(x1, chunk_size):
         cols = [block(x1c, x2c) for x2c in _chunks(x2, chunk_size)]
-        row = torch.cat(cols, dim=1)
+        row = _cat(cols, dim=1)
         rows.append(row if dtype is None else row.to(dtype))
-    return torch.cat(rows, dim=0)
+    return _cat(rows, dim=0)
 
 
 def _factor_blocks(
@@ -446,9 +451,9 @@ def _factor_blocks(
     right = left if symmetric else [factors(c) for c in _chunks(x2, chunk_size)]
     rows = []
     for f1 in left:
-        row = torch.cat([factor_gram(f1, f2, params, prior_var) for f2 in right], 1)
+        row = _cat([factor_gram(f1, f2, params, prior_var) for f2 in right], 1)
         rows.append(row if dtype is None else row.to(dtype))
-    return torch.cat(rows, dim=0)
+    return _cat(rows, dim=0)
 
 
 def n_jacobian_columns(backend: JacobianBackend) -> int:

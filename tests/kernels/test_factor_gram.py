@@ -288,11 +288,51 @@ def test_gram_in_chunks_of_one_sample_equals_loop(name: str, monkeypatch) -> Non
     calls = []
     chunked = _factor_gram._chunked_product_gram
 
-    def counted(g1, inputs, g2):
-        calls.append(g2.shape[0])
-        return chunked(g1, inputs, g2)
+    def counted(g1, inputs, g2, symmetric=False):
+        calls.append((g2.shape[0], symmetric))
+        return chunked(g1, inputs, g2, symmetric)
 
     monkeypatch.setattr(_factor_gram, "_chunked_product_gram", counted)
     _check_gram(*build())
     _check_gradients(*build())
-    assert calls and max(calls) > 1  # the route ran, in more than one chunk
+    _check_symmetric_gram(*build())
+    assert any(n > 1 and not sym for n, sym in calls)  # ran, over several chunks
+    assert any(n > 1 and sym for n, sym in calls)  # and only its lower triangle
+
+
+@pytest.mark.parametrize("prior", ["scalar", "per-layer", "per-parameter"])
+def test_symmetric_gram_equals_loop_with_gradients_in_one_chunk(prior: str) -> None:
+    """``ntk(x)`` without chunking, every prior: the blocks of both routes and of
+    each prior value are summed in place (one sum per prior value)."""
+    model, x = _few_positions_cnn()
+    _check_symmetric_gram(model, x, _prior_vars(model)[prior])
+
+
+def _check_symmetric_gram(model, x, var: torch.Tensor | None = None) -> None:
+    """``ntk(x)`` (batch 2 is batch 1) and its gradients in the parameters and x."""
+    var = torch.tensor(0.7, dtype=torch.float64) if var is None else var
+    columns = var.expand(backend_columns(model))
+    floating = isinstance(x, torch.Tensor) and x.is_floating_point()
+    x_in = x.clone().requires_grad_(True) if floating else x
+    K = ntk(DiffBackPackGGN(model, "regression"), x_in, prior_precision=1 / var)
+    torch.testing.assert_close(K.detach(), _loop_gram(model, x, x, columns), **TOL)
+    leaves = list(model.parameters()) + ([x_in] if floating else [])
+    grads = torch.autograd.grad(_scalar_of_gram(K), leaves, allow_unused=True)
+    grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
+    gen = torch.Generator().manual_seed(7)
+    direction = [torch.randn(p.shape, generator=gen).double() for p in leaves]
+    for m in model.modules():  # the padding row's gradient is zero by definition
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None:
+            index = [i for i, p in enumerate(model.parameters()) if p is m.weight][0]
+            direction[index][m.padding_idx] = 0
+    along = sum((g * d).sum() for g, d in zip(grads, direction))
+
+    def moved(t: float) -> torch.Tensor:
+        shifted = _shifted(model, direction, t)  # zips the parameters' directions
+        x_t = x + t * direction[-1] if floating else x
+        return _scalar_of_gram(_loop_gram(shifted, x_t, x_t, columns))
+
+    # A small step: the moves of the parameters and x together cross a ReLU's
+    # kink within 1e-5 for one of these priors' directions.
+    expected = central_difference(moved, step=1e-6)
+    torch.testing.assert_close(along, expected, rtol=1e-6, atol=1e-8)
