@@ -77,6 +77,7 @@ def factor_gram(
     # unscaled blocks it multiplies once at the end.
     scaled: _Sum = _Sum(dtype)
     unscaled: dict[int, tuple[torch.Tensor, _Sum]] = {}
+    signal_grams: dict[tuple, torch.Tensor] = {}  # shared by a weight and its bias
     for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
         scale = _constant(var)
         costs = _route_costs(entries1, entries2, diagonal, right is left, p.numel())
@@ -87,7 +88,9 @@ def factor_gram(
         if costs.factor_chosen:
             for e1 in entries1:
                 for e2 in entries2:
-                    acc.add(_pair_gram(e1, e2, diagonal, symmetric=e1 is e2))
+                    gram = _pair_gram(e1, e2, diagonal, e1 is e2, signal_grams)
+                    shared = any(gram is g for g in signal_grams.values())
+                    acc.add(gram, writable=not shared)
         else:
             acc.add(_block_gram(left, other, p, None, diagonal))
     for scale, acc in unscaled.values():
@@ -111,10 +114,11 @@ class _Sum:
         self.total: torch.Tensor | None = None
         self.owned = False  # ``total`` may be written in place
 
-    def add(self, term: torch.Tensor) -> None:
-        """Add ``term``, which nothing else uses afterwards."""
-        term = term.to(self.dtype)
-        writable = term._base is None
+    def add(self, term: torch.Tensor, writable: bool = True) -> None:
+        """Add ``term``; ``writable=False``: it is used elsewhere, never written."""
+        converted = term.to(self.dtype)
+        writable = (writable or converted is not term) and converted._base is None
+        term = converted
         if self.total is None:
             self.total, self.owned = term, writable
         elif self.owned:
@@ -161,6 +165,7 @@ def gram_multiply_adds(
     diagonal = right is None
     other = left if right is None else right
     total = 0
+    seen: set[tuple] = set()  # signal Grams computed once for a weight and its bias
     for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
         costs = _route_costs(entries1, entries2, diagonal, right is left, p.numel())
         if (
@@ -169,6 +174,13 @@ def gram_multiply_adds(
             and _constant(var) is not None
         ):
             total += costs.factor
+            for e1 in entries1:
+                for e2 in entries2:
+                    key = _signals_key(e1, e2)
+                    if key in seen:
+                        total -= _signals_cost(e1, e2, diagonal)
+                    elif key is not None:
+                        seen.add(key)
             continue
         total += costs.block
     return total
@@ -508,13 +520,62 @@ def _lower_chunks(batch: int, per_row: int) -> list[tuple[int, int]]:
     return chunks
 
 
+def _view_key(t: torch.Tensor) -> tuple:
+    """What makes two views the same numbers: memory, geometry, type."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _signals_key(e1: Factors, e2: Factors) -> tuple | None:
+    """Identity of a pair's signal Gram ``Σ_o g1[v, b, o] g2[w, c, o]``, if one.
+
+    Where there is one position the Gram is one contraction of views: a Linear
+    weight's Product and its bias's Summed view the same signals, so their
+    pairs share this Gram.
+
+    Returns
+    -------
+    tuple or None
+        The two views' keys; ``None`` for other entries.
+    """
+    if type(e1) is not type(e2):
+        return None
+    if not isinstance(e1, (Product, Summed)) or not isinstance(e2, (Product, Summed)):
+        return None
+    if e1.g.shape[3] != 1 or e2.g.shape[3] != 1:
+        return None
+    s1, s2 = _signals(e1), _signals(e2)
+    return (_view_key(s1), _view_key(s2))
+
+
+def _signals(e: Product | Summed) -> torch.Tensor:
+    """``(V, B, out)`` signals of a one-position entry, a view."""
+    g = e.g[..., 0]
+    return g.transpose(0, 1) if isinstance(e, Product) else g
+
+
+def _signals_cost(e1: Factors, e2: Factors, diagonal: bool) -> int:
+    """Multiply-adds of a one-position pair's signal Gram."""
+    n_rows1, batch1 = _rows_and_batch(e1)
+    n_rows2, batch2 = _rows_and_batch(e2)
+    pairs = batch1 if diagonal else batch1 * batch2
+    assert isinstance(e1, (Product, Summed))
+    return pairs * n_rows1 * n_rows2 * e1.g.shape[2]
+
+
 def _pair_gram(
-    e1: Factors, e2: Factors, diagonal: bool, symmetric: bool = False
+    e1: Factors,
+    e2: Factors,
+    diagonal: bool,
+    symmetric: bool = False,
+    signal_grams: dict[tuple, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The factor route for one pair of same-kind entries (see :func:`_pair_cost`).
 
     ``symmetric``: ``e2`` is ``e1`` (the Gram of a batch with itself), whose
     Gram a Product over positions computes on and below the diagonal only.
+    ``signal_grams``: the one-position signal Grams computed so far, by
+    :func:`_signals_key`; a bias's Gram is then its weight's signal Gram itself
+    (returned as it is, shared), or the other way round.
 
     Einsum letters: ``b``/``c`` samples of batch 1/2 (both ``b`` on the
     diagonal), ``v``/``w`` rows, ``o`` outputs, ``l``/``m`` tokens, ``k`` inputs.
@@ -527,16 +588,26 @@ def _pair_gram(
     """
     c = "b" if diagonal else "c"
     pair = "b" if diagonal else "bc"
+    key = _signals_key(e1, e2)
+    if key is not None:  # one position: the signals' Gram, maybe computed before
+        assert isinstance(e1, (Product, Summed)) and isinstance(e2, (Product, Summed))
+        cache = {} if signal_grams is None else signal_grams
+        if key not in cache:
+            cache[key] = torch.einsum(
+                f"vbo,w{c}o->{pair}vw", _signals(e1), _signals(e2)
+            )
+        signals = cache[key]
+        if isinstance(e1, Summed):
+            return signals
+        assert isinstance(e2, Product)
+        inputs = torch.einsum(f"bk,{c}k->{pair}", e1.a[:, 0], e2.a[:, 0])
+        return inputs[..., None, None] * signals
     if isinstance(e1, Summed):
         assert isinstance(e2, Summed)
         s1, s2 = e1.g.sum(3), e2.g.sum(3)  # (V, B, out)
         return torch.einsum(f"vbo,w{c}o->{pair}vw", s1, s2)
     if isinstance(e1, Product):
         assert isinstance(e2, Product)
-        if e1.g.shape[3] == 1 and e2.g.shape[3] == 1:
-            inputs = torch.einsum(f"bk,{c}k->{pair}", e1.a[:, 0], e2.a[:, 0])
-            signals = torch.einsum(f"bvo,{c}wo->{pair}vw", e1.g[..., 0], e2.g[..., 0])
-            return inputs[..., None, None] * signals
         inputs = torch.einsum(f"blk,{c}mk->{pair}lm", e1.a, e2.a)
         if diagonal:
             mixed = torch.einsum("blm,bwom->blwo", inputs, e2.g)
