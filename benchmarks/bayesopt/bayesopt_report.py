@@ -49,9 +49,25 @@ def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
                 statistics.fmean(c) for c in zip(*(r["regret"] for r in rs))
             ],
             "curve_se": [_mean_se(list(c))[1] for c in zip(*(r["regret"] for r in rs))],
+            "seconds_mean": [
+                statistics.fmean(c) for c in zip(*(_elapsed(r) for r in rs))
+            ],
             "warnings": sorted({w for r in rs for w in r.get("warnings", [])}),
         }
     return table
+
+
+def _elapsed(record: dict) -> list[float]:
+    """Process seconds spent when each regret of ``record`` was reached.
+
+    The initial fit, then per iteration its acquisition and the fit or update on
+    its observations (``regret[i]`` is known after ``i`` iterations).
+    """
+    total, elapsed = record["fit_s"][0], [record["fit_s"][0]]
+    for acq, fit in zip(record["acq_s"], record["fit_s"][1:]):
+        total += acq + fit
+        elapsed.append(total)
+    return elapsed
 
 
 def criterion(table: dict) -> list[dict]:
@@ -197,7 +213,8 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
 
 def plot(table: dict, out: pathlib.Path) -> None:
     """``regret.png`` (all functions), ``regret_headline.png`` (all functions,
-    ``HEADLINE``'s methods) and ``regret_<function>.png``."""
+    ``HEADLINE``'s methods), ``regret_<function>.png`` and ``regret_time.png``
+    (against the seconds spent)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,19 +251,32 @@ def plot(table: dict, out: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "regret_headline.png", dpi=110)
     plt.close(fig)
+    # Regret against the seconds spent, every method: what a user waits for.
+    fig, axes = plt.subplots(1, len(functions), figsize=(5 * len(functions), 4))
+    axes = [axes] if len(functions) == 1 else list(axes)
+    for ax, function in zip(axes, functions):
+        _panel(ax, function, table[function], against_time=True)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "regret_time.png", dpi=110)
+    plt.close(fig)
 
 
-def _panel(ax, function: str, per: dict) -> None:
+def _panel(ax, function: str, per: dict, against_time: bool = False) -> None:
     for method, a in per.items():
         mean = [max(m, 1e-12) for m in a["curve_mean"]]
         se = [0.0 if math.isnan(s) else s for s in a["curve_se"]]
-        steps = range(len(mean))
+        steps = a["seconds_mean"] if against_time else range(len(mean))
         ax.plot(steps, mean, label=f"{method} ({len(a['seeds'])})")
         lower = [max(m - s, 1e-12) for m, s in zip(mean, se)]
         ax.fill_between(steps, lower, [m + s for m, s in zip(mean, se)], alpha=0.15)
     ax.set_yscale("log")
     ax.set_title(function)
-    ax.set_xlabel("iteration (0 = initial design)")
+    if against_time:
+        ax.set_xscale("log")
+        ax.set_xlabel("process seconds, mean over seeds (initial fit included)")
+    else:
+        ax.set_xlabel("iteration (0 = initial design)")
     ax.set_ylabel("simple regret (mean ± s.e.)")
 
 
