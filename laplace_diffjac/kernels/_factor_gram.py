@@ -26,7 +26,7 @@ with respect to both inputs and the parameters whenever the factors are.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +85,7 @@ def factor_gram(
             scaled.add(_block_gram(left, other, p, var, diagonal))
             continue
         _, acc = unscaled.setdefault(id(scale), (scale, _Sum(dtype)))
-        if costs.factor_chosen:
+        if costs.factor_chosen or _all_shared(entries1, entries2, signal_grams):
             for e1 in entries1:
                 for e2 in entries2:
                     gram = _pair_gram(e1, e2, diagonal, e1 is e2, signal_grams)
@@ -168,9 +168,10 @@ def gram_multiply_adds(
     seen: set[tuple] = set()  # signal Grams computed once for a weight and its bias
     for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
         costs = _route_costs(entries1, entries2, diagonal, right is left, p.numel())
+        shared = _all_shared(entries1, entries2, seen)
         if (
             costs.factor is not None
-            and costs.factor_chosen
+            and (costs.factor_chosen or shared)
             and _constant(var) is not None
         ):
             total += costs.factor
@@ -545,6 +546,21 @@ def _signals_key(e1: Factors, e2: Factors) -> tuple | None:
         return None
     s1, s2 = _signals(e1), _signals(e2)
     return (_view_key(s1), _view_key(s2))
+
+
+def _all_shared(
+    entries1: list[Factors], entries2: list[Factors], computed: Collection[tuple]
+) -> bool:
+    """Whether every pair's signal Gram is among the ``computed`` ones.
+
+    A bias after its weight: its factor route then costs next to nothing.
+
+    Returns
+    -------
+    bool
+    """
+    keys = [_signals_key(e1, e2) for e1 in entries1 for e2 in entries2]
+    return all(key is not None and key in computed for key in keys)
 
 
 def _signals(e: Product | Summed) -> torch.Tensor:
