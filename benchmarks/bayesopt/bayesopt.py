@@ -129,6 +129,11 @@ class Config:
     retrain_every: int = 10
     marglik_iters: int = 100
     finetune_epochs: int = 50
+    #: Raw samples scored at once by ``optimize_acqf`` (its ``init_batch_limit``;
+    #: 0: all at once). The same values in chunks, less memory: at q = 25
+    #: ``LaplaceBoTorch``'s joint covariance over all raw samples' points, (256 ×
+    #: 25)², does not fit in 24 GiB.
+    batch_limit: int = 0
 
 
 QUICK = Config(
@@ -351,9 +356,11 @@ def _acquire(model, best: torch.Tensor, dim: int, cfg: Config) -> torch.Tensor:
         acqf = LogExpectedImprovement(model, best_f=best)
     else:
         acqf = qLogExpectedImprovement(model, best_f=best)
+    options = {"init_batch_limit": cfg.batch_limit} if cfg.batch_limit else None
     candidate, _ = optimize_acqf(
-        acqf, bounds, q=cfg.q, num_restarts=cfg.restarts, raw_samples=cfg.raw_samples
-    )
+        acqf, bounds, q=cfg.q, num_restarts=cfg.restarts, raw_samples=cfg.raw_samples,
+        options=options,
+    )  # fmt: skip
     return candidate.detach()
 
 
@@ -477,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", nargs="+", type=int)
     counts = ("laplace_seeds", "initial", "iterations", "q", "restarts", "raw_samples",
               "epochs", "locations", "location_steps", "retrain_every",
-              "finetune_epochs")  # fmt: skip
+              "finetune_epochs", "batch_limit")  # fmt: skip
     for field in counts:
         parser.add_argument("--" + field.replace("_", "-"), type=int)
     args = parser.parse_args(argv)
