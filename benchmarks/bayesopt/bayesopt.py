@@ -72,6 +72,7 @@ METHODS = (
     "SingleTaskGP",
     "LaplaceBoTorch",
     "ContextBoTorch",
+    "ContextBoTorch(factors)",
     "LaplaceBoTorch+DiffBackPackGGN",
     "Context(random)",
     "Context(optimised)",
@@ -245,18 +246,21 @@ def _surrogate(method: str, X: torch.Tensor, Y: torch.Tensor, cfg: Config, seed:
             posthoc_marglik_iters=cfg.marglik_iters, **extra,
         )  # fmt: skip
         return _Conditioned(model)
-    if method == "ContextBoTorch":
-        return _Conditioned(_context_defaults(get_net, X, Y, cfg, seed))
+    if method in ("ContextBoTorch", "ContextBoTorch(factors)"):
+        factors = method.endswith("(factors)")  # the defaults, structured=True
+        return _Conditioned(_context_defaults(get_net, X, Y, cfg, seed, factors))
     return _Conditioned(_context(method, get_net, X, Y, cfg, seed))
 
 
 def _context_defaults(get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config,
-                      seed: int):  # fmt: skip
+                      seed: int, structured: bool = False):  # fmt: skip
     """``ContextBoTorch`` at the package's defaults.
 
     Only the sizes that ``--quick`` shrinks are passed; the full run's values
     equal the defaults (1000 epochs, 100 locations, 100 evidence steps, retrain
-    every 10, 50 fine-tuning epochs).
+    every 10, 50 fine-tuning epochs). ``structured=True``
+    (``ContextBoTorch(factors)``): predictions from the per-layer factors, not
+    the Jacobians of the test points.
     """
     from botorch.models.transforms.outcome import Standardize
 
@@ -276,6 +280,7 @@ def _context_defaults(get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config,
             every=cfg.retrain_every, finetune_epochs=cfg.finetune_epochs
         ),
         seed=seed,
+        structured=structured,
     )
 
 
