@@ -97,6 +97,18 @@ def _shifted(model, direction, t):
     return moved
 
 
+def _directions(model, leaves, seed: int) -> list[torch.Tensor]:
+    """Random float64 directions for ``leaves`` (the parameters first), zero on
+    embedding padding rows, whose gradient is zero by definition."""
+    gen = torch.Generator().manual_seed(seed)
+    direction = [torch.randn(v.shape, generator=gen).double() for v in leaves]
+    for m in model.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None:
+            index = [i for i, p in enumerate(model.parameters()) if p is m.weight][0]
+            direction[index][m.padding_idx] = 0
+    return direction
+
+
 def _check_gradients(model, x) -> None:
     """Gradients of a function of ``ntk(x, x2)`` in ``x`` and the parameters."""
     x1, x2 = _split(x)
@@ -108,14 +120,8 @@ def _check_gradients(model, x) -> None:
     leaves = list(model.parameters()) + ([x_in] if floating else [])
     grads = torch.autograd.grad(_scalar_of_gram(K), leaves, allow_unused=True)
     grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
-    gen = torch.Generator().manual_seed(6)
-    direction = [
-        torch.randn(p.shape, generator=gen).double() for p in model.parameters()
-    ]
-    for m in model.modules():  # the padding row's gradient is zero by definition
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None:
-            index = [i for i, p in enumerate(model.parameters()) if p is m.weight][0]
-            direction[index][m.padding_idx] = 0
+    direction = _directions(model, leaves, seed=6)
+    u = direction.pop() if floating else None  # x's, checked on its own below
     along = sum((g * d).sum() for g, d in zip(grads, direction))
 
     def moved(t: float) -> torch.Tensor:
@@ -124,7 +130,6 @@ def _check_gradients(model, x) -> None:
 
     torch.testing.assert_close(along, central_difference(moved), rtol=1e-6, atol=1e-8)
     if floating:
-        u = torch.randn(x1.shape, generator=gen).double()
         expected = central_difference(
             lambda t: _scalar_of_gram(
                 _loop_gram(model, x1 + t * u, x2, var.expand(columns))
@@ -319,12 +324,7 @@ def _check_symmetric_gram(model, x, var: torch.Tensor | None = None) -> None:
     leaves = list(model.parameters()) + ([x_in] if floating else [])
     grads = torch.autograd.grad(_scalar_of_gram(K), leaves, allow_unused=True)
     grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
-    gen = torch.Generator().manual_seed(7)
-    direction = [torch.randn(p.shape, generator=gen).double() for p in leaves]
-    for m in model.modules():  # the padding row's gradient is zero by definition
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None:
-            index = [i for i, p in enumerate(model.parameters()) if p is m.weight][0]
-            direction[index][m.padding_idx] = 0
+    direction = _directions(model, leaves, seed=7)
     along = sum((g * d).sum() for g, d in zip(grads, direction))
 
     def moved(t: float) -> torch.Tensor:
