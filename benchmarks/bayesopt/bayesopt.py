@@ -27,7 +27,10 @@ laplace-bayesopt's training settings (Adam lr 0.1, weight decay 1e-3, cosine
 schedule, batch 10, 1000 epochs). One task (function, method, seed) per worker
 process with one thread. Measured per iteration: the surrogate's fit or update
 (``fit_s``) and the acquisition's optimisation (``acq_s``), process CPU seconds
-(a stand-in for wall time on a quiet core; the machine is shared).
+(a stand-in for wall time on a quiet core; the machine is shared), and how often
+the acquisition called the surrogate's ``posterior`` (``acq_calls``: calls,
+points, calls without gradient), which separates the cost of one call from the
+number of calls the optimiser makes.
 
 Usage::
 
@@ -43,6 +46,7 @@ keeps them), then ``DIR/BAYESOPT.md``, ``DIR/bayesopt.json`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import pathlib
@@ -50,6 +54,7 @@ import platform
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
@@ -351,8 +356,51 @@ def _NoisyContext():
     return NoisyContextBoTorch
 
 
-def _acquire(model, best: torch.Tensor, dim: int, cfg: Config) -> torch.Tensor:
-    """``(q, dim)`` points that maximise log expected improvement."""
+@dataclass
+class PosteriorCalls:
+    """How often an acquisition's optimisation called the model's ``posterior``.
+
+    ``calls``: every call; ``points``: the inputs over all calls (restarts times
+    ``q``); ``scoring_calls``: those without gradient (the raw samples' scores).
+    """
+
+    calls: int = 0
+    points: int = 0
+    scoring_calls: int = 0
+
+
+@contextlib.contextmanager
+def _counted_posterior(model) -> Iterator[PosteriorCalls]:
+    """Count ``model.posterior``'s calls while the block runs (then restored).
+
+    The count is on the instance (``model.posterior`` is shadowed by a wrapper
+    and the shadow deleted afterwards), so every method's surrogate is counted
+    the same way and nothing outlives the block.
+    """
+    counts = PosteriorCalls()
+    method = model.posterior
+
+    def counted(*args: Any, **kwargs: Any):
+        X = args[0] if args else kwargs["X"]
+        counts.calls += 1
+        counts.points += X.shape[:-1].numel()
+        counts.scoring_calls += not torch.is_grad_enabled()
+        return method(*args, **kwargs)
+
+    model.posterior = counted
+    try:
+        yield counts
+    finally:
+        del model.posterior
+
+
+def _acquire(
+    model, best: torch.Tensor, dim: int, cfg: Config
+) -> tuple[torch.Tensor, PosteriorCalls]:
+    """``(q, dim)`` points that maximise log expected improvement.
+
+    Returns them with the count of the model's posterior calls on the way.
+    """
     from botorch.acquisition import LogExpectedImprovement, qLogExpectedImprovement
     from botorch.optim import optimize_acqf
 
@@ -362,11 +410,12 @@ def _acquire(model, best: torch.Tensor, dim: int, cfg: Config) -> torch.Tensor:
     else:
         acqf = qLogExpectedImprovement(model, best_f=best)
     options = {"init_batch_limit": cfg.batch_limit} if cfg.batch_limit else None
-    candidate, _ = optimize_acqf(
-        acqf, bounds, q=cfg.q, num_restarts=cfg.restarts, raw_samples=cfg.raw_samples,
-        options=options,
-    )  # fmt: skip
-    return candidate.detach()
+    with _counted_posterior(model) as counts:
+        candidate, _ = optimize_acqf(
+            acqf, bounds, q=cfg.q, num_restarts=cfg.restarts,
+            raw_samples=cfg.raw_samples, options=options,
+        )  # fmt: skip
+    return candidate.detach(), counts
 
 
 def run_task(function: str, method: str, seed: int, cfg: Config) -> dict:
@@ -382,15 +431,16 @@ def run_task(function: str, method: str, seed: int, cfg: Config) -> dict:
     Y = evaluate(X)
     torch.manual_seed(seed)
     start, cpu0 = time.perf_counter(), time.process_time()
-    fit_s, acq_s = [], []
+    fit_s, acq_s, calls = [], [], []
     t = time.process_time()
     surrogate = _surrogate(method, X, Y, cfg, seed)
     fit_s.append(time.process_time() - t)
     best = [float(Y.max())]
     for _ in range(cfg.iterations):
         t = time.process_time()
-        x = _acquire(surrogate.model, Y.max(), dim, cfg)
+        x, counts = _acquire(surrogate.model, Y.max(), dim, cfg)
         acq_s.append(time.process_time() - t)
+        calls.append(asdict(counts))
         y = evaluate(x)
         X, Y = torch.cat([X, x]), torch.cat([Y, y])
         best.append(float(Y.max()))
@@ -408,6 +458,7 @@ def run_task(function: str, method: str, seed: int, cfg: Config) -> dict:
         "regret": [optimum - b for b in best],
         "fit_s": fit_s,
         "acq_s": acq_s,
+        "acq_calls": calls,
         "wall_s": time.perf_counter() - start,
         "cpu_s": time.process_time() - cpu0,
     }

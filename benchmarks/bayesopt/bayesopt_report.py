@@ -53,8 +53,29 @@ def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
                 statistics.fmean(c) for c in zip(*(_elapsed(r) for r in rs))
             ],
             "warnings": sorted({w for r in rs for w in r.get("warnings", [])}),
+            **_posterior_calls(rs),
         }
     return table
+
+
+def _posterior_calls(records: list[dict]) -> dict[str, float]:
+    """Posterior calls per acquisition, and process milliseconds per call.
+
+    The milliseconds are the acquisition's seconds over its calls: the call,
+    its gradient and BoTorch's work on its output. Empty for records written
+    before the counts were kept (``acq_calls``).
+    """
+    if not records or not all("acq_calls" in r for r in records):
+        return {}
+    per_acquisition = [c for r in records for c in r["acq_calls"]]
+    calls = sum(c["calls"] for c in per_acquisition)
+    points = sum(c["points"] for c in per_acquisition)
+    seconds = sum(s for r in records for s in r["acq_s"])
+    return {
+        "posterior_calls_per_acquisition": calls / len(per_acquisition),
+        "points_per_posterior_call": points / calls,
+        "ms_per_posterior_call": 1e3 * seconds / calls,
+    }
 
 
 def _elapsed(record: dict) -> list[float]:
@@ -190,6 +211,7 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
                 f"{_fmt(a['fit_s_per_iteration'])} | {_fmt(a['acq_s_per_iteration'])} "
                 f"| {_fmt(a['s_per_iteration'])} | {_fmt(ratio)} |"
             )
+    lines += _acquisition_lines(table)
     lines += ["", "## Criterion", "",
               "ContextBoTorch's mean final regret no worse than LaplaceBoTorch's "
               "within one standard error (the larger of the two) on every function, "
@@ -209,6 +231,35 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
         lines += [f"* {w[:200]}" for w in notes]
     lines += ["", "![simple regret](regret.png)", ""]
     return "\n".join(lines)
+
+
+def _acquisition_lines(table: dict) -> list[str]:
+    """Markdown lines: posterior calls per acquisition and the cost of each.
+
+    Only the methods whose records kept the counts; none: no lines.
+    """
+    rows = [
+        f"| {method} | {function} | {a['posterior_calls_per_acquisition']:.0f} | "
+        f"{a['points_per_posterior_call']:.0f} | {a['ms_per_posterior_call']:.3g} |"
+        for function, per in table.items()
+        for method, a in per.items()
+        if "ms_per_posterior_call" in a
+    ]
+    if not rows:
+        return []
+    return [
+        "",
+        "## Acquisition",
+        "",
+        "The acquisition's seconds split into how often the optimiser called the "
+        "surrogate's posterior (raw-sample scoring and every L-BFGS-B evaluation) "
+        "and the process milliseconds per call (the call, its gradient and "
+        "BoTorch's work on it), the means over all acquisitions.",
+        "",
+        "| method | function | posterior calls | points per call | ms per call |",
+        "|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def plot(table: dict, out: pathlib.Path) -> None:

@@ -8,12 +8,14 @@ update per iteration plus the initial fit, and appear in the report.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("laplace_bayesopt")
 pytest.importorskip("botorch")
@@ -36,6 +38,33 @@ def _methods() -> int:
 METHODS = _methods()
 
 
+def _script():
+    """The script as a module (registered: its dataclasses look themselves up)."""
+    if "bayesopt_benchmark" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bayesopt_benchmark", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bayesopt_benchmark"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bayesopt_benchmark"]
+
+
+def test_posterior_calls_are_counted_and_the_model_left_as_it_was() -> None:
+    from botorch.models import SingleTaskGP
+
+    counted_posterior = _script()._counted_posterior
+    X = torch.rand(6, 2, dtype=torch.float64)
+    model = SingleTaskGP(X, X.sum(-1, keepdim=True))
+    with counted_posterior(model) as counts:
+        with torch.no_grad():
+            model.posterior(torch.rand(4, 3, 2, dtype=torch.float64))
+        model.posterior(X=torch.rand(5, 2, dtype=torch.float64))
+    assert (counts.calls, counts.points, counts.scoring_calls) == (2, 17, 1)
+    assert "posterior" not in vars(model)
+    with pytest.raises(RuntimeError, match="inside"), counted_posterior(model):
+        raise RuntimeError("inside the block")
+    assert "posterior" not in vars(model)
+
+
 @pytest.mark.slow
 def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
     assert METHODS >= 3
@@ -54,6 +83,11 @@ def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
     assert len(first_best) == 1  # the same initial design for every method
     for r in raw:
         assert len(r["regret"]) == 4 and len(r["fit_s"]) == 4 and len(r["acq_s"]) == 3
+        # Every acquisition called the posterior: the raw samples' scores (no
+        # gradient) and at least one optimiser step (with one).
+        assert len(r["acq_calls"]) == 3
+        for counts in r["acq_calls"]:
+            assert 0 < counts["scoring_calls"] < counts["calls"] <= counts["points"]
         assert all(a >= b >= 0 for a, b in zip(r["regret"], r["regret"][1:]))
     report = json.loads((tmp_path / "bayesopt.json").read_text())
     assert len(report["table"]["branin"]) == METHODS
@@ -61,7 +95,18 @@ def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
         r["method"] for r in raw if r["method"].startswith("Context")
     }
     text = (tmp_path / "BAYESOPT.md").read_text()
-    assert text.count("| branin |") == METHODS + 1  # every method, and the headline
+    lines = text.splitlines()
+    # Every method, and the headline; then every method's acquisition counts.
+    assert sum(line.startswith("| branin |") for line in lines) == METHODS + 1
+    assert (
+        sum(
+            line.endswith("|")
+            and "| branin | " in line
+            and not line.startswith("| branin |")
+            for line in lines
+        )
+        == METHODS
+    )
     assert "## Headline" in text
     assert (tmp_path / "regret.png").stat().st_size > 0
     assert (tmp_path / "regret_branin.png").stat().st_size > 0
