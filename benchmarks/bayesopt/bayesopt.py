@@ -78,6 +78,7 @@ METHODS = (
     "LaplaceBoTorch",
     "ContextBoTorch",
     "ContextBoTorch(factors)",
+    "ContextBoTorch(factors,noise)",
     "LaplaceBoTorch+DiffBackPackGGN",
     "Context(random)",
     "Context(optimised)",
@@ -251,28 +252,35 @@ def _surrogate(method: str, X: torch.Tensor, Y: torch.Tensor, cfg: Config, seed:
             posthoc_marglik_iters=cfg.marglik_iters, **extra,
         )  # fmt: skip
         return _Conditioned(model)
-    if method in ("ContextBoTorch", "ContextBoTorch(factors)"):
-        factors = method.endswith("(factors)")  # the defaults, structured=True
-        return _Conditioned(_context_defaults(get_net, X, Y, cfg, seed, factors))
+    if method.startswith("ContextBoTorch"):  # the defaults, and two flags
+        flags = method[len("ContextBoTorch(") : -1].split(",")
+        model = _context_defaults(
+            get_net, X, Y, cfg, seed, "factors" in flags, "noise" in flags
+        )
+        return _Conditioned(model)
     return _Conditioned(_context(method, get_net, X, Y, cfg, seed))
 
 
 def _context_defaults(get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config,
-                      seed: int, structured: bool = False):  # fmt: skip
+                      seed: int, structured: bool = False,
+                      noise: bool = False):  # fmt: skip
     """``ContextBoTorch`` at the package's defaults.
 
     Only the sizes that ``--quick`` shrinks are passed; the full run's values
     equal the defaults (1000 epochs, 100 locations, 100 evidence steps, retrain
     every 10, 50 fine-tuning epochs). ``structured=True``
     (``ContextBoTorch(factors)``): predictions from the per-layer factors, not
-    the Jacobians of the test points.
+    the Jacobians of the test points. ``noise`` (``ContextBoTorch(...,noise)``):
+    the observation noise added to every prediction, as ``LaplaceBoTorch``
+    does.
     """
     from botorch.models.transforms.outcome import Standardize
 
     from laplace_diffjac.bayesopt import ContextBoTorch, RetrainSchedule
 
     unit = torch.stack([torch.zeros(X.shape[-1]), torch.ones(X.shape[-1])]).to(X)
-    return ContextBoTorch(
+    cls = _NoisyContext() if noise else ContextBoTorch
+    return cls(
         get_net,
         X,
         Y,
