@@ -7,7 +7,6 @@ No timing is asserted: the dry run's timings are single cold runs.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,18 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks/gpu/run_on_gpu.py"
 
 
 def _script():
-    """The script as a module (registered: its dataclasses look themselves up)."""
-    if "run_on_gpu" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("run_on_gpu", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["run_on_gpu"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["run_on_gpu"]
+    """The script as a module."""
+    return load_script(SCRIPT, "run_on_gpu")
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ update per iteration plus the initial fit, and appear in the report.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.scripts import load_script
 
 pytest.importorskip("laplace_bayesopt")
 pytest.importorskip("botorch")
@@ -39,13 +40,8 @@ METHODS = _methods()
 
 
 def _script():
-    """The script as a module (registered: its dataclasses look themselves up)."""
-    if "bayesopt_benchmark" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bayesopt_benchmark", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bayesopt_benchmark"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bayesopt_benchmark"]
+    """The script as a module."""
+    return load_script(SCRIPT, "bayesopt_benchmark")
 
 
 def test_posterior_calls_are_counted_and_the_model_left_as_it_was() -> None:
