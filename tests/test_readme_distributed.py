@@ -16,11 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(script: Path, ranks: int) -> list[tuple[int, int, float]]:
-    """``(rank, n_data, log evidence)`` printed by each rank, in rank order."""
+    """``(rank, n_data, log evidence)`` printed by each rank, in rank order.
+
+    Each rank's stdout goes to its own file (torchrun's ``--redirects``): on one
+    shared pipe the ranks' prints can interleave mid-line.
+    """
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    logs = script.parent / f"logs-{ranks}"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        + [f"--nproc_per_node={ranks}", str(script)],
+        + [f"--nproc_per_node={ranks}", f"--log-dir={logs}", "--redirects=1"]
+        + [str(script)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -28,7 +34,9 @@ def _torchrun(script: Path, ranks: int) -> list[tuple[int, int, float]]:
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split() for line in proc.stdout.splitlines()]
+    files = sorted(logs.rglob("stdout.log"))
+    assert len(files) == ranks, files
+    rows = [line.split() for f in files for line in f.read_text().splitlines()]
     return sorted(
         (int(r), int(n), float(e)) for r, n, e in (x for x in rows if len(x) == 3)
     )
