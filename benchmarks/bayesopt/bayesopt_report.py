@@ -71,11 +71,15 @@ def _posterior_calls(records: list[dict]) -> dict[str, float]:
     calls = sum(c["calls"] for c in per_acquisition)
     points = sum(c["points"] for c in per_acquisition)
     seconds = sum(s for r in records for s in r["acq_s"])
-    return {
+    counts = {
         "posterior_calls_per_acquisition": calls / len(per_acquisition),
         "points_per_posterior_call": points / calls,
         "ms_per_posterior_call": 1e3 * seconds / calls,
     }
+    if all("acq_on_faces" in r for r in records):  # kept since 2026-12-03
+        shares = [s for r in records for s in r["acq_on_faces"]]
+        counts["on_faces_share"] = sum(shares) / len(shares)
+    return counts
 
 
 def _elapsed(record: dict) -> list[float]:
@@ -236,11 +240,14 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
 def _acquisition_lines(table: dict) -> list[str]:
     """Markdown lines: posterior calls per acquisition and the cost of each.
 
-    Only the methods whose records kept the counts; none: no lines.
+    Only the methods whose records kept the counts; none: no lines. The share
+    of the chosen points' coordinates on the cube's faces: "–" where the records
+    predate it.
     """
     rows = [
         f"| {method} | {function} | {a['posterior_calls_per_acquisition']:.0f} | "
-        f"{a['points_per_posterior_call']:.0f} | {a['ms_per_posterior_call']:.3g} |"
+        f"{a['points_per_posterior_call']:.0f} | {a['ms_per_posterior_call']:.3g} | "
+        f"{_percent(a.get('on_faces_share'))} |"
         for function, per in table.items()
         for method, a in per.items()
         if "ms_per_posterior_call" in a
@@ -254,12 +261,20 @@ def _acquisition_lines(table: dict) -> list[str]:
         "The acquisition's seconds split into how often the optimiser called the "
         "surrogate's posterior (raw-sample scoring and every L-BFGS-B evaluation) "
         "and the process milliseconds per call (the call, its gradient and "
-        "BoTorch's work on it), the means over all acquisitions.",
+        "BoTorch's work on it), the means over all acquisitions; and the share of "
+        "the chosen points' coordinates on the cube's faces (a surrogate that "
+        "extrapolates upwards sends them to the corners, where the optimiser has "
+        "few coordinates left to move).",
         "",
-        "| method | function | posterior calls | points per call | ms per call |",
-        "|---|---|---|---|---|",
+        "| method | function | posterior calls | points per call | ms per call "
+        "| coordinates on faces |",
+        "|---|---|---|---|---|---|",
         *rows,
     ]
+
+
+def _percent(share: float | None) -> str:
+    return "–" if share is None else f"{100 * share:.0f} %"
 
 
 def plot(table: dict, out: pathlib.Path) -> None:

@@ -61,6 +61,32 @@ def test_posterior_calls_are_counted_and_the_model_left_as_it_was() -> None:
     assert "posterior" not in vars(model)
 
 
+def test_on_faces_counts_coordinates_on_the_cube_faces() -> None:
+    on_faces = _script().on_faces
+    points = torch.tensor([[0.0, 0.5, 1.0, 0.2], [1.0, 1.0, 0.3, 1e-12]])
+    assert on_faces(points) == 5 / 8
+    assert on_faces(torch.full((3, 2), 0.5)) == 0.0
+
+
+def test_maxiter_caps_every_restart_of_the_acquisition() -> None:
+    from botorch.models import SingleTaskGP
+
+    script = _script()
+    torch.manual_seed(0)
+    X = torch.rand(30, 6, dtype=torch.float64)
+    model = SingleTaskGP(X, torch.sin(6 * X).sum(-1, keepdim=True))
+    capped = script.replace(script.QUICK, q=1, restarts=2, raw_samples=8, maxiter=1)
+    free = script.replace(capped, maxiter=0)
+    best = model.train_targets.max()
+    _, calls_capped = script._acquire(model, best, 6, capped)
+    _, calls_free = script._acquire(model, best, 6, free)
+    # One L-BFGS-B iteration takes at most 1 + maxls = 21 evaluations; without
+    # the cap the restarts run on (13 to 24 evaluations for seeds 0 to 3).
+    gradient_calls = calls_capped.calls - calls_capped.scoring_calls
+    assert 0 < gradient_calls <= 21
+    assert gradient_calls < calls_free.calls - calls_free.scoring_calls
+
+
 @pytest.mark.slow
 def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
     assert METHODS >= 3
@@ -84,6 +110,8 @@ def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
         assert len(r["acq_calls"]) == 3
         for counts in r["acq_calls"]:
             assert 0 < counts["scoring_calls"] < counts["calls"] <= counts["points"]
+        assert len(r["acq_on_faces"]) == 3
+        assert all(0 <= share <= 1 for share in r["acq_on_faces"])
         assert all(a >= b >= 0 for a, b in zip(r["regret"], r["regret"][1:]))
     report = json.loads((tmp_path / "bayesopt.json").read_text())
     assert len(report["table"]["branin"]) == METHODS
