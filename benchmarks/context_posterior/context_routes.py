@@ -172,9 +172,13 @@ def _status_kib(field: str) -> int:
 
 
 def _reset_peak_kib() -> int:
-    """Reset the peak RSS to the current one (Linux ``clear_refs``); return it, KiB."""
+    """Reset the peak RSS to the current one (Linux ``clear_refs``); return it, KiB.
+
+    The reset peak (``VmHWM``), not ``VmRSS``: the kernel syncs its RSS counters
+    lazily, and a difference of one counter cannot go negative.
+    """
     Path("/proc/self/clear_refs").write_text("5")
-    return _status_kib("VmRSS")
+    return _status_kib("VmHWM")
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

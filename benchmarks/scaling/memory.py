@@ -19,11 +19,13 @@ def rss_kib(field: str) -> int:
 
 
 def reset_peak() -> int:
-    """Reset this process's peak RSS to its current RSS; return that RSS, KiB.
+    """Reset this process's peak RSS to its current RSS; return that peak, KiB.
 
     Linux resets ``VmHWM`` when ``5`` is written to ``/proc/self/clear_refs``;
     the peak measured afterwards is then the work's own high-water mark, not
-    that of the imports before it.
+    that of the imports before it. The reset ``VmHWM`` is returned, not
+    ``VmRSS``: the kernel syncs its RSS counters lazily, and a difference of
+    one counter cannot go negative.
     """
     pathlib.Path("/proc/self/clear_refs").write_text("5")
-    return rss_kib("VmRSS")
+    return rss_kib("VmHWM")

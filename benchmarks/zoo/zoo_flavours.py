@@ -182,10 +182,16 @@ def _rss_kib(field: str) -> int:
 
 
 def _reset_peak() -> int:
-    """Reset the peak RSS to the current RSS (``5`` into ``clear_refs``); KiB."""
+    """Reset the peak RSS to the current RSS (``5`` into ``clear_refs``); KiB.
+
+    Returns the reset peak (``VmHWM``), not ``VmRSS``: the kernel's RSS counters
+    are synced lazily, so a ``VmRSS`` read after the reset may exceed the peak
+    read later (CI saw a peak 192 KiB below it); differences of one counter
+    cannot go negative.
+    """
     gc.collect()
     pathlib.Path("/proc/self/clear_refs").write_text("5")
-    return _rss_kib("VmRSS")
+    return _rss_kib("VmHWM")
 
 
 def _backend_class(name: str) -> type | None:
