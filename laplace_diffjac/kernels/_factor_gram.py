@@ -78,21 +78,17 @@ def factor_gram(
     scaled: _Sum = _Sum(dtype)
     unscaled: dict[int, tuple[torch.Tensor, _Sum]] = {}
     signal_grams: dict[tuple, torch.Tensor] = {}  # shared by a weight and its bias
-    for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
-        scale = _constant(var)
-        costs = _route_costs(entries1, entries2, diagonal, right is left, p.numel())
-        if scale is None:
-            scaled.add(_block_gram(left, other, p, var, diagonal))
+    for route in _routes(left, other, params, prior_var, diagonal, right is left):
+        if route.scale is None:
+            scaled.add(_block_gram(left, other, route.param, route.var, diagonal))
             continue
-        _, acc = unscaled.setdefault(id(scale), (scale, _Sum(dtype)))
-        if costs.factor_chosen or _all_shared(entries1, entries2, signal_grams):
-            for e1 in entries1:
-                for e2 in entries2:
-                    gram = _pair_gram(e1, e2, diagonal, e1 is e2, signal_grams)
-                    shared = any(gram is g for g in signal_grams.values())
-                    acc.add(gram, writable=not shared)
-        else:
-            acc.add(_block_gram(left, other, p, None, diagonal))
+        _, acc = unscaled.setdefault(id(route.scale), (route.scale, _Sum(dtype)))
+        if not route.factor:
+            acc.add(_block_gram(left, other, route.param, None, diagonal))
+            continue
+        for e1, e2 in route.entry_pairs():
+            gram, shared = _pair_gram(e1, e2, diagonal, e1 is e2, signal_grams)
+            acc.add(gram, writable=not shared)
     for scale, acc in unscaled.values():
         scaled.add(scale * acc.value(shape, left.f.device))
     return scaled.value(shape, left.f.device)
@@ -165,25 +161,15 @@ def gram_multiply_adds(
     diagonal = right is None
     other = left if right is None else right
     total = 0
-    seen: set[tuple] = set()  # signal Grams computed once for a weight and its bias
-    for p, var, entries1, entries2 in _pairs(left, other, params, prior_var):
-        costs = _route_costs(entries1, entries2, diagonal, right is left, p.numel())
-        shared = _all_shared(entries1, entries2, seen)
-        if (
-            costs.factor is not None
-            and (costs.factor_chosen or shared)
-            and _constant(var) is not None
-        ):
-            total += costs.factor
-            for e1 in entries1:
-                for e2 in entries2:
-                    key = _signals_key(e1, e2)
-                    if key in seen:
-                        total -= _signals_cost(e1, e2, diagonal)
-                    elif key is not None:
-                        seen.add(key)
+    for route in _routes(left, other, params, prior_var, diagonal, right is left):
+        if not route.factor:
+            total += route.costs.block
             continue
-        total += costs.block
+        assert route.costs.factor is not None  # a factor route has a cost
+        total += route.costs.factor
+        for (e1, e2), reused in zip(route.entry_pairs(), route.reused):
+            if reused:
+                total -= _signals_cost(e1, e2, diagonal)
     return total
 
 
@@ -225,6 +211,78 @@ def jacobian_gram_multiply_adds(
     pairs = left.batch if right is None else left.batch * right.batch
     n_rows2 = left.n_rows if right is None else right.n_rows
     return written + pairs * left.n_rows * n_rows2 * n_params
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How one parameter's Gram is computed: the plan both counts and runs.
+
+    ``var``: the parameter's prior variance, ``()`` or ``(p.numel(),)``;
+    ``scale``: that variance as a scalar where it is constant (else ``None``:
+    the block route, scaled); ``factor``: the factor route (else the block
+    route); ``reused``: per pair of entries (``entry_pairs``' order), whether
+    its signal Gram was computed for an earlier parameter (a Linear bias after
+    its weight) and is shared.
+    """
+
+    param: torch.Tensor
+    var: torch.Tensor
+    scale: torch.Tensor | None
+    entries1: list[Factors]
+    entries2: list[Factors]
+    costs: _RouteCosts
+    factor: bool
+    reused: tuple[bool, ...]
+
+    def entry_pairs(self) -> Iterator[tuple[Factors, Factors]]:
+        """Every pair of the parameter's entries in the two batches.
+
+        Yields
+        ------
+        tuple of Factors
+            An entry of batch 1 and one of batch 2.
+        """
+        for e1 in self.entries1:
+            for e2 in self.entries2:
+                yield e1, e2
+
+
+def _routes(
+    left: JacobianFactors,
+    right: JacobianFactors,
+    params: Sequence[torch.Tensor],
+    prior_var: torch.Tensor,
+    diagonal: bool,
+    symmetric: bool,
+) -> Iterator[_Route]:
+    """Each parameter's route, chosen by its cost model, in column order.
+
+    The factor route needs a constant prior; it is taken where it is cheaper
+    (:attr:`_RouteCosts.factor_chosen`) or where every pair's signal Gram was
+    computed before (it then costs next to nothing). A prior that varies across
+    a parameter's entries takes the block route, scaled.
+
+    Yields
+    ------
+    _Route
+        Per parameter with Jacobian columns in both batches.
+    """
+    computed: set[tuple] = set()  # signal Grams' keys, in the order they are made
+    for p, var, entries1, entries2 in _pairs(left, right, params, prior_var):
+        costs = _route_costs(entries1, entries2, diagonal, symmetric, p.numel())
+        scale = _constant(var)
+        factor = scale is not None and (
+            costs.factor_chosen or _all_shared(entries1, entries2, computed)
+        )
+        reused = []
+        if factor:
+            for e1 in entries1:
+                for e2 in entries2:
+                    key = _signals_key(e1, e2)
+                    reused.append(key in computed)
+                    if key is not None:
+                        computed.add(key)
+        yield _Route(p, var, scale, entries1, entries2, costs, factor, tuple(reused))
 
 
 def _pairs(
@@ -584,7 +642,7 @@ def _pair_gram(
     diagonal: bool,
     symmetric: bool = False,
     signal_grams: dict[tuple, torch.Tensor] | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, bool]:
     """The factor route for one pair of same-kind entries (see :func:`_pair_cost`).
 
     ``symmetric``: ``e2`` is ``e1`` (the Gram of a batch with itself), whose
@@ -598,8 +656,11 @@ def _pair_gram(
 
     Returns
     -------
-    torch.Tensor
+    gram : torch.Tensor
         ``(B1, B2, V, V)``, or ``(B1, V, V)`` on the diagonal; unscaled by the prior.
+    shared : bool
+        ``gram`` is a signal Gram kept in ``signal_grams`` for other pairs: read
+        it, never write into it.
 
     """
     c = "b" if diagonal else "c"
@@ -614,25 +675,25 @@ def _pair_gram(
             )
         signals = cache[key]
         if isinstance(e1, Summed):
-            return signals
+            return signals, True
         assert isinstance(e2, Product)
         inputs = torch.einsum(f"bk,{c}k->{pair}", e1.a[:, 0], e2.a[:, 0])
-        return inputs[..., None, None] * signals
+        return inputs[..., None, None] * signals, False
     if isinstance(e1, Summed):
         assert isinstance(e2, Summed)
         s1, s2 = e1.g.sum(3), e2.g.sum(3)  # (V, B, out)
-        return torch.einsum(f"vbo,w{c}o->{pair}vw", s1, s2)
+        return torch.einsum(f"vbo,w{c}o->{pair}vw", s1, s2), False
     if isinstance(e1, Product):
         assert isinstance(e2, Product)
         inputs = torch.einsum(f"blk,{c}mk->{pair}lm", e1.a, e2.a)
         if diagonal:
             mixed = torch.einsum("blm,bwom->blwo", inputs, e2.g)
-            return torch.einsum("bvol,blwo->bvw", e1.g, mixed)
-        return _chunked_product_gram(e1.g, inputs, e2.g, symmetric)
+            return torch.einsum("bvol,blwo->bvw", e1.g, mixed), False
+        return _chunked_product_gram(e1.g, inputs, e2.g, symmetric), False
     assert isinstance(e1, Scattered) and isinstance(e2, Scattered)
     if diagonal:
         same = (e1.index[:, :, None] == e2.index[:, None, :]).to(e1.g.dtype)
     else:
         same = (e1.index[:, None, :, None] == e2.index[None, :, None, :]).to(e1.g.dtype)
     mixed = torch.einsum(f"{pair}lm,w{c}mk->{pair}lwk", same, e2.g)
-    return torch.einsum(f"vblk,{pair}lwk->{pair}vw", e1.g, mixed)
+    return torch.einsum(f"vblk,{pair}lwk->{pair}vw", e1.g, mixed), False
