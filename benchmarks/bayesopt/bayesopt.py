@@ -117,6 +117,8 @@ CONTEXT_FLAGS = (
     "frozen-outcome",
     "noise",
 )
+#: The flags a ``ContextBoTorch(...)`` method may combine (see ``_context_defaults``).
+DEFAULTS_FLAGS = ("factors", "noise")
 #: laplace-bayesopt retrains its network for every observation; see ``--laplace-seeds``.
 RETRAINING_METHODS = ("LaplaceBoTorch", "LaplaceBoTorch+DiffBackPackGGN")
 
@@ -262,7 +264,7 @@ def _surrogate(method: str, X: torch.Tensor, Y: torch.Tensor, cfg: Config, seed:
         )  # fmt: skip
         return _Conditioned(model)
     if method.startswith("ContextBoTorch"):  # the defaults, and two flags
-        flags = method[len("ContextBoTorch(") : -1].split(",")
+        flags = _flags(method, "ContextBoTorch", DEFAULTS_FLAGS)
         model = _context_defaults(
             get_net, X, Y, cfg, seed, "factors" in flags, "noise" in flags
         )
@@ -323,10 +325,7 @@ def _context(method: str, get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config
 
     from laplace_diffjac.bayesopt import ContextBoTorch, RetrainSchedule
 
-    flags = method[len("Context(") : -1].split(",")
-    unknown = set(flags) - set(CONTEXT_FLAGS)
-    if unknown:
-        raise ValueError(f"unknown flags {sorted(unknown)} in {method!r}")
+    flags = _flags(method, "Context", CONTEXT_FLAGS)
     kind = next(f for f in flags if f in ("random", "optimised", "observations"))
     cls = _NoisyContext() if "noise" in flags else ContextBoTorch
     retrain = None if "no-retrain" in flags else cfg.retrain_every
@@ -351,6 +350,19 @@ def _context(method: str, get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config
         evidence="kron" if "kron-evidence" in flags else "exact",
         outcome_statistics="initial" if "frozen-outcome" in flags else "training",
     )
+
+
+def _flags(method: str, name: str, allowed: tuple[str, ...]) -> list[str]:
+    """The flags of ``name(flag,...)`` (none for ``name`` alone), all ``allowed``."""
+    if method == name:
+        return []
+    if not (method.startswith(name + "(") and method.endswith(")")):
+        raise ValueError(f"{method!r} is not {name} or {name}(flag,...)")
+    flags = method[len(name) + 1 : -1].split(",")
+    unknown = set(flags) - set(allowed)
+    if unknown:
+        raise ValueError(f"unknown flags {sorted(unknown)} in {method!r}")
+    return flags
 
 
 def _mean(flags: list[str]) -> str:
@@ -412,11 +424,18 @@ def _counted_posterior(model) -> Iterator[PosteriorCalls]:
 
 
 def _acquire(
-    model, best: torch.Tensor, dim: int, cfg: Config
+    model,
+    best: torch.Tensor,
+    dim: int,
+    cfg: Config,
+    trace: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, PosteriorCalls]:
     """``(q, dim)`` points that maximise log expected improvement.
 
     Returns them with the count of the model's posterior calls on the way.
+    ``trace``: if given, every evaluation with a gradient (the optimiser's, not
+    the raw samples' scoring) appends its points ``(restarts, q, dim)`` and
+    values ``(restarts,)``, detached (``acquisition_trace.py``).
     """
     from botorch.acquisition import LogExpectedImprovement, qLogExpectedImprovement
     from botorch.optim import optimize_acqf
@@ -426,6 +445,16 @@ def _acquire(
         acqf = LogExpectedImprovement(model, best_f=best)
     else:
         acqf = qLogExpectedImprovement(model, best_f=best)
+    if trace is not None:
+        forward = acqf.forward
+
+        def traced(X: torch.Tensor) -> torch.Tensor:
+            values = forward(X)
+            if torch.is_grad_enabled():
+                trace.append((X.detach().clone(), values.detach().clone()))
+            return values
+
+        acqf.forward = traced  # type: ignore[method-assign]
     options: dict[str, int] = {}
     if cfg.batch_limit:
         options["init_batch_limit"] = cfg.batch_limit

@@ -61,6 +61,21 @@ def test_posterior_calls_are_counted_and_the_model_left_as_it_was() -> None:
     assert "posterior" not in vars(model)
 
 
+def test_method_flags_are_parsed_and_unknown_ones_refused() -> None:
+    flags = _script()._flags
+    assert flags("ContextBoTorch", "ContextBoTorch", ("factors",)) == []
+    assert flags(
+        "ContextBoTorch(factors,noise)", "ContextBoTorch", ("factors", "noise")
+    ) == [
+        "factors",
+        "noise",
+    ]
+    with pytest.raises(ValueError, match="unknown flags"):
+        flags("Context(random,fast)", "Context", ("random",))
+    with pytest.raises(ValueError, match="is not Context"):
+        flags("Context[random]", "Context", ("random",))
+
+
 def test_on_faces_counts_coordinates_on_the_cube_faces() -> None:
     on_faces = _script().on_faces
     points = torch.tensor([[0.0, 0.5, 1.0, 0.2], [1.0, 1.0, 0.3, 1e-12]])
