@@ -143,9 +143,12 @@ def start_peak(device: torch.device) -> float:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device) / 2**20
-    base = current_rss_mib()
-    reset_peak_rss()
-    return base
+    gc.collect()
+    if reset_peak_rss():
+        # the reset high-water mark, not VmRSS: the kernel syncs its RSS counters
+        # lazily, and a difference of one counter cannot go negative
+        return peak_rss_mib()
+    return current_rss_mib()
 
 
 def peak_mib(device: torch.device) -> float:
