@@ -1,8 +1,9 @@
-"""Scripts of the repository (benchmarks) imported as modules by the tests."""
+"""Scripts of the repository (benchmarks): imported as modules, or run, by the tests."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -22,3 +23,27 @@ def load_script(path: Path, name: str) -> ModuleType:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(path: Path, *args: str, timeout: float = 600) -> str:
+    """Run the script at ``path`` with this interpreter from the repository root.
+
+    Fails the test, with the tail of the script's stderr, if it exits non-zero.
+
+    Returns
+    -------
+    str
+        The script's stdout.
+    """
+    proc = subprocess.run(
+        [sys.executable, str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

@@ -8,38 +8,22 @@ increase, and the trace's evaluations and the posterior-call count agree.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.scripts import ROOT, run_script
+
 pytest.importorskip("laplace_bayesopt")
 pytest.importorskip("botorch")
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks/bayesopt/acquisition_trace.py"
 
 
 @pytest.mark.slow
 def test_quick_trace_records_every_optimiser_evaluation(tmp_path: Path) -> None:
     methods = ["ContextBoTorch(factors)", "LaplaceBoTorch"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--quick",
-            "--out",
-            str(tmp_path),
-            "--methods",
-            *methods,
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(SCRIPT, "--quick", "--out", str(tmp_path), "--methods", *methods)
     records = json.loads((tmp_path / "acquisition_trace.json").read_text())["records"]
     assert [r["method"] for r in records] == methods
     for r in records:

@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.scripts import load_script
+from tests.scripts import ROOT, load_script, run_script
 
 pytest.importorskip("laplace_bayesopt")
 pytest.importorskip("botorch")
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks/bayesopt/bayesopt.py"
 
 
@@ -105,15 +102,7 @@ def test_maxiter_caps_every_restart_of_the_acquisition() -> None:
 @pytest.mark.slow
 def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
     assert METHODS >= 3
-    command = [sys.executable, str(SCRIPT), "--quick", "--workers", "1"]
-    proc = subprocess.run(
-        [*command, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(SCRIPT, "--quick", "--workers", "1", "--out", str(tmp_path), timeout=900)
     raw = [json.loads(p.read_text()) for p in (tmp_path / "raw").glob("*.json")]
     assert len({r["method"] for r in raw}) == METHODS
     first_best = {r["best"][0] for r in raw}

@@ -8,30 +8,22 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.scripts import ROOT, run_script
+
 pytest.importorskip("laplace_bayesopt")
 pytest.importorskip("botorch")
 
-ROOT = Path(__file__).resolve().parents[2]
 SURROGATES = 7
 
 
 @pytest.mark.slow
 def test_quick_same_network_benchmark_reports_every_surrogate(tmp_path: Path) -> None:
     script = ROOT / "benchmarks/bayesopt/same_network.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(script, "--quick", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "same_network.json").read_text())["rows"]
     assert len({r["surrogate"] for r in rows}) == SURROGATES == len(rows)
     for r in rows:
