@@ -40,6 +40,8 @@ import bayesopt  # noqa: E402
 
 #: After how many evaluations the report gives the best value seen.
 MILESTONES = (100, 250, 500, 1000)
+#: The ``bayesopt.Config`` fields the command line may set.
+OVERRIDES = ("initial", "q", "batch_limit", "maxiter")
 
 
 def trace(method: str, function: str, seed: int, cfg: bayesopt.Config) -> dict:
@@ -53,14 +55,10 @@ def trace(method: str, function: str, seed: int, cfg: bayesopt.Config) -> dict:
         evaluation's best restart), the posterior-call counts, the candidates'
         faces share and the process seconds of the fit and the acquisition.
     """
-    from botorch.utils.sampling import draw_sobol_samples
-
     torch.set_num_threads(1)
     problem = bayesopt._problem(function)
     dim = problem.dim
-    unit = torch.stack([torch.zeros(dim), torch.ones(dim)]).double()
-    X = draw_sobol_samples(unit, n=cfg.initial, q=1, seed=seed).squeeze(1)
-    Y = bayesopt._objective(problem)(X)
+    X, Y, _ = bayesopt.initial_design(problem, cfg.initial, seed)
     torch.manual_seed(seed)
     t = time.process_time()
     surrogate = bayesopt._surrogate(method, X, Y, cfg, seed)
@@ -135,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=bayesopt.METHODS,
         default=["ContextBoTorch", "ContextBoTorch(factors)", "LaplaceBoTorch"],
     )
-    for field in ("initial", "q", "batch_limit", "maxiter"):
+    for field in OVERRIDES:
         parser.add_argument("--" + field.replace("_", "-"), type=int)
     args = parser.parse_args(argv)
     if args.quick:
@@ -144,11 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         cfg = replace(bayesopt.Config(), initial=200, q=25, batch_limit=16)
         function = args.function
-    given = {
-        k: v
-        for k in ("initial", "q", "batch_limit", "maxiter")
-        if (v := getattr(args, k)) is not None
-    }
+    given = {k: v for k in OVERRIDES if (v := getattr(args, k)) is not None}
     cfg = replace(cfg, **given)
     records = []
     with warnings.catch_warnings():  # BoTorch's restarts report ABNORMAL stops

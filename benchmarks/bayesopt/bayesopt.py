@@ -474,17 +474,35 @@ def on_faces(points: torch.Tensor, atol: float = 1e-9) -> float:
     return float(faces.double().mean())
 
 
-def run_task(function: str, method: str, seed: int, cfg: Config) -> dict:
-    """One BO run; returns its record (JSON-serialisable)."""
+def initial_design(
+    problem, n: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The seed's Sobol design in the unit cube, shared by every method.
+
+    Returns
+    -------
+    X : torch.Tensor
+        ``(n, dim)`` points, float64.
+    Y : torch.Tensor
+        ``(n, 1)`` their objective values (the problem's negative).
+    evaluate : callable
+        The objective, for the points the acquisitions choose.
+    """
     from botorch.utils.sampling import draw_sobol_samples
 
-    torch.set_num_threads(1)
-    problem = _problem(function)
-    evaluate = _objective(problem)
     dim = problem.dim
     unit = torch.stack([torch.zeros(dim), torch.ones(dim)]).double()
-    X = draw_sobol_samples(unit, n=cfg.initial, q=1, seed=seed).squeeze(1)
-    Y = evaluate(X)
+    X = draw_sobol_samples(unit, n=n, q=1, seed=seed).squeeze(1)
+    evaluate = _objective(problem)
+    return X, evaluate(X), evaluate
+
+
+def run_task(function: str, method: str, seed: int, cfg: Config) -> dict:
+    """One BO run; returns its record (JSON-serialisable)."""
+    torch.set_num_threads(1)
+    problem = _problem(function)
+    dim = problem.dim
+    X, Y, evaluate = initial_design(problem, cfg.initial, seed)
     torch.manual_seed(seed)
     start, cpu0 = time.perf_counter(), time.process_time()
     fit_s, acq_s, calls, faces = [], [], [], []

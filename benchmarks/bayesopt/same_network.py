@@ -203,18 +203,14 @@ def _measure(model, best, X_test, f_test, corners, problem, s: Settings) -> dict
 
 def run_case(function: str, seed: int, s: Settings) -> list[dict]:
     """Every surrogate's measurements on one function and seed."""
-    from bayesopt import _net_factory, _objective, _problem  # same folder
+    from bayesopt import _net_factory, _problem, initial_design  # same folder
     from botorch.models.transforms.outcome import Standardize
-    from botorch.utils.sampling import draw_sobol_samples
     from laplace_bayesopt.botorch import LaplaceBoTorch
 
     torch.set_num_threads(1)
     problem = _problem(function)
-    evaluate = _objective(problem)
     dim = problem.dim
-    unit = torch.stack([torch.zeros(dim), torch.ones(dim)]).double()
-    X = draw_sobol_samples(unit, n=s.initial, q=1, seed=seed).squeeze(1)
-    Y = evaluate(X)
+    X, Y, evaluate = initial_design(problem, s.initial, seed)
     torch.manual_seed(seed)
     lbt = LaplaceBoTorch(
         _net_factory(dim, s.width), X, Y, outcome_transform=Standardize(m=1),
