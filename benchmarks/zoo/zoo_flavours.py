@@ -194,6 +194,17 @@ def _reset_peak() -> int:
     return _rss_kib("VmHWM")
 
 
+def _peak_gib(base: int) -> float:
+    """The peak RSS since :func:`_reset_peak` returned ``base`` (KiB) above it, GiB.
+
+    A high-water mark cannot fall below its reset value, but the kernel's RSS
+    counters are per-CPU sums synced in batches, so two reads can disagree by a
+    few hundred KiB (CI saw -220 KiB on a warmed-up row whose own peak is
+    nothing): a negative difference is that noise and is read as zero.
+    """
+    return max(_rss_kib("VmHWM") - base, 0) / 2**20
+
+
 def _backend_class(name: str) -> type | None:
     """The class passed as ``backend=`` (``None``: laplace-torch's default)."""
     if name == "default":
@@ -289,14 +300,14 @@ def measure(cfg: dict, numbers: str | None) -> dict:
             start = time.perf_counter()
             la.fit(loader)
             row["fit_s"] = time.perf_counter() - start
-            row["fit_peak_gib"] = (_rss_kib("VmHWM") - base) / 2**20
+            row["fit_peak_gib"] = _peak_gib(base)
             row["backend_class"] = type(la.backend).__name__
             row["n_params"] = int(la.n_params)  # the last layer's, found in fit
             stage = "predict"
             start = time.perf_counter()
             probs = la(x_test, pred_type="glm")
             row["predict_s"] = time.perf_counter() - start
-            row["peak_gib"] = (_rss_kib("VmHWM") - base) / 2**20
+            row["peak_gib"] = _peak_gib(base)
             if numbers:
                 torch.save({"probs": probs.detach(), "H": _curvature(la)}, numbers)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 (a failure is a result)
