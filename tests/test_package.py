@@ -73,3 +73,46 @@ def test_using_the_package_sets_no_allocator_environment_variable():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_importing_the_package_writes_nothing_to_stderr():
+    """A fresh interpreter, the user's default warning filters: a silent import.
+
+    laplace-torch's import prints torch's ``torch.jit.script`` deprecation five
+    times (its ASDL backend); the package silences that one warning around that
+    one import, so nothing reaches stderr.
+    """
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import laplace_diffjac"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr == ""
+    assert out.stdout == ""
+
+
+def test_the_import_leaves_the_warning_filters_as_they_were():
+    """Only the import is quiet: no filter of the package's outlives it."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings\n"
+        "before = list(warnings.filters)\n"
+        "import laplace_diffjac\n"
+        "print(list(warnings.filters) == before)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"
