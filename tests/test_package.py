@@ -116,3 +116,19 @@ def test_the_import_leaves_the_warning_filters_as_they_were():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True"
+
+
+def test_the_license_is_at_the_root_and_in_the_installed_metadata():
+    """``LICENSE`` (MIT) at the root, and the installed distribution carries it."""
+    import importlib.metadata
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "LICENSE").read_text()
+    assert text.startswith("MIT License")
+    assert "Permission is hereby granted, free of charge" in text
+    metadata = importlib.metadata.metadata("laplace-diffjac")
+    assert metadata.get("License-Expression") == "MIT"
+    assert "LICENSE" in (metadata.get_all("License-File") or [])
+    files = importlib.metadata.distribution("laplace-diffjac").files or []
+    licenses = [f for f in files if f.name == "LICENSE"]
+    assert licenses and licenses[0].read_text() == text
