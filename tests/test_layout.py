@@ -94,18 +94,14 @@ def test_documented_subpackage_paths(module_name):
         assert name in module.__all__ and hasattr(module, name), name
 
 
-def test_names_of_0_1_0_still_work():
+def test_names_removed_from_context_say_where_they_are():
+    """The 0.1.0 aliases are gone from ``context`` (the layer below them)."""
     from laplace_diffjac import context, laplace_integration
 
-    with pytest.warns(DeprecationWarning, match="laplace_integration"):
-        moved = context.LocationFunctionalLaplace
-    assert moved is laplace_integration.LocationFunctionalLaplace
-    with pytest.warns(DeprecationWarning, match="laplace_integration"):
-        moved = context.functional_laplace_on_locations
-    assert moved is laplace_integration.functional_laplace_on_locations
-    assert laplace_diffjac.LocationFunctionalLaplace is (
-        laplace_integration.LocationFunctionalLaplace
-    )
+    for name in ("LocationFunctionalLaplace", "functional_laplace_on_locations"):
+        with pytest.raises(AttributeError, match=f"laplace_integration.+{name}"):
+            getattr(context, name)
+        assert getattr(laplace_diffjac, name) is getattr(laplace_integration, name)
     with pytest.raises(AttributeError, match="no attribute"):
         context.not_a_name  # noqa: B018
 
@@ -125,7 +121,7 @@ def _imported_layers(path: pathlib.Path) -> set[str]:
     tree = ast.parse(path.read_text())
     depth = len(path.relative_to(PACKAGE).parts) - 1
     found = set()
-    for node in _outside_getattr(tree):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
             up = node.level - 1
             parts = list(path.relative_to(PACKAGE).parts[:depth])
@@ -135,6 +131,17 @@ def _imported_layers(path: pathlib.Path) -> set[str]:
                 found.add(target[0])
             elif not target:  # "from .. import x"
                 found.update(a.name for a in node.names if a.name in LAYERS)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):  # absolute
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+            )
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "laplace_diffjac" and len(parts) > 1:
+                    if parts[1] in LAYERS:
+                        found.add(parts[1])
     return found
 
 
@@ -218,7 +225,7 @@ def _internal_imports(path: pathlib.Path) -> set[str]:
     if path.name != "__init__.py":
         package = package.rsplit(".", 1)[0]
     found = set()
-    for node in _outside_getattr(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -238,20 +245,6 @@ def _internal_imports(path: pathlib.Path) -> set[str]:
                     break
                 name = name.rsplit(".", 1)[0] if "." in name else ""
     return found
-
-
-def _outside_getattr(tree: ast.Module):
-    """Every node except those of a module-level ``__getattr__`` (PEP 562).
-
-    ``context.__getattr__`` resolves the deprecated 0.1.0 aliases of names that
-    moved up a layer, at attribute access and never at import; that is the one
-    place a lower layer may name a higher one.
-    """
-    skip = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
-            skip.update(id(n) for n in ast.walk(node))
-    return (n for n in ast.walk(tree) if id(n) not in skip)
 
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}

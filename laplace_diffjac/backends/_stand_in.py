@@ -17,8 +17,8 @@ def upstream_stand_in(backend: type) -> type:
     0.2.3 and 0.3; the caller installs ``backend`` as ``_backend_cls`` right after
     the constructor returns (the instance is built lazily, on first use). Used by
     the adapter (:mod:`laplace_diffjac.laplace_integration`) and by
-    :class:`~laplace_diffjac.context.LocationFunctionalLaplace`, so the trick lives
-    in one place.
+    :class:`~laplace_diffjac.laplace_integration.LocationFunctionalLaplace`, so
+    the trick lives in one place.
 
     Parameters
     ----------

@@ -14,11 +14,9 @@ Two products over one data layer (:mod:`laplace_diffjac.data`):
 ``locations`` may import ``posterior`` (the evidence objective), never the other
 way round. laplace-torch's ``FunctionalLaplace`` on given locations,
 ``LocationFunctionalLaplace``, lives with the rest of the laplace-torch code in
-:mod:`laplace_diffjac.laplace_integration`; the old names here still work.
+:mod:`laplace_diffjac.laplace_integration` (the layer above this one); its old
+names here, deprecated in 0.1.0, are gone, and asking for them says where they are.
 """
-
-import warnings
-from typing import Any
 
 from .locations import (
     LocationHistory,
@@ -45,20 +43,22 @@ __all__ = [
     "random_subset",
 ]
 
+#: Names removed from this layer, and where they live now.
 _MOVED = ("LocationFunctionalLaplace", "functional_laplace_on_locations")
 
 
-def __getattr__(name: str) -> Any:
-    """The names that moved to :mod:`laplace_diffjac.laplace_integration` (0.1.0)."""
-    if name in _MOVED:
-        import laplace_diffjac.laplace_integration as integration
+def __getattr__(name: str) -> object:
+    """Refuse the removed names with where they are now; nothing is imported.
 
-        warnings.warn(
-            f"laplace_diffjac.context.{name} moved to "
-            f"laplace_diffjac.laplace_integration.{name} (also "
-            f"laplace_diffjac.{name}); the old name will be removed.",
-            DeprecationWarning,
-            stacklevel=2,
+    Raises
+    ------
+    AttributeError
+        For every name this module does not define.
+    """
+    if name in _MOVED:
+        raise AttributeError(
+            f"laplace_diffjac.context.{name} was removed (deprecated since 0.1.0): "
+            f"import it from laplace_diffjac.laplace_integration, or as "
+            f"laplace_diffjac.{name}."
         )
-        return getattr(integration, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

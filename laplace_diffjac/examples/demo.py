@@ -8,7 +8,7 @@ or optimised from that random start with
 :func:`laplace_diffjac.optimize_locations`, and used by two posteriors:
 
 * ``FunctionalLaplace`` (laplace-torch's subset-of-data GP) fitted on the locations
-  (:class:`laplace_diffjac.context.LocationFunctionalLaplace`, with
+  (:class:`laplace_diffjac.laplace_integration.LocationFunctionalLaplace`, with
   ``reweight=True``: each location stands for ``N / M`` training points, and
   ``output_hessian='full'``: the GGN's whole ``C × C`` likelihood Hessian, not
   laplace-torch's diagonal; for classification the table also shows the diagonal
