@@ -31,12 +31,12 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
-import tqdm
 from laplace import baselaplace, lllaplace, subnetlaplace
 from laplace.baselaplace import BaseLaplace, FunctionalLaplace, ParametricLaplace
 from laplace.utils import Kron
 from torch.nn.utils import parameters_to_vector
 
+from .._progress import progress as progress_bar
 from ..data import is_multi_process, rank, reduce_sum, reduce_sum_in_place
 from ..errors import InvalidInputError
 from ._distributed_functional import functional_entry
@@ -124,7 +124,7 @@ def _local_sums(
     H, loss, count = la.H, torch.zeros((), dtype=la._dtype, device=la._device), 0
     N = len(loader.dataset)
     batches: Any = loader.local if loader.n_local > 0 else []
-    for data in tqdm.tqdm(batches, disable=not progress, desc="[Computing Hessian]"):
+    for data in progress_bar(batches, desc="[Computing Hessian]", enabled=progress):
         X, y = _batch(la, data)
         if la.likelihood == "regression" and y.ndim != out_ndim:
             raise ValueError(

@@ -73,6 +73,36 @@ def test_quick_cli_prints_its_table_and_writes_its_plot(tmp_path, task):
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [png.name]
 
 
+@pytest.mark.slow
+def test_the_main_command_leaves_a_short_log_with_its_table(tmp_path):
+    """``python -m laplace_diffjac > log 2>&1``, as under CI, ``nohup`` or a job.
+
+    The user's own warning filters (none set), stdout and stderr into one file:
+    the progress bar writes whole lines, not a redraw per step (tqdm's bar with
+    its postfix left 20 kB of carriage returns here), nothing warns, and the
+    table reads as printed.
+    """
+    log = tmp_path / "log"
+    env = {**python_env(), "PYTHONWARNINGS": ""}
+    with log.open("w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "laplace_diffjac"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+            cwd=tmp_path,
+            env=env,
+        )
+    text = log.read_text()
+    assert proc.returncode == 0, text[-2000:]
+    assert len(text.encode()) < 4096, text
+    assert "\r" not in text
+    assert "warn" not in text.lower(), text
+    assert re.search(r"^Locations: 200/200 in \S+ s \(objective=\S+\)$", text, re.M)
+    rows = _table_rows(text)
+    assert len(rows) == 5 and rows[("Full GGN Laplace", "all 400")][0] == 0.0
+
+
 def test_cli_out_dir_and_output_name_where_the_plot_goes(tmp_path):
     folder = tmp_path / "new" / "folder"
     assert main(["--quick", "--no-progress", "--out-dir", str(folder)]) == 0

@@ -19,8 +19,8 @@ import math
 import time
 
 import torch
-from tqdm import tqdm
 
+from ..._progress import progress
 from ...backends import JacobianBackend
 from ...data import Data
 from ...errors import InvalidInputError
@@ -131,7 +131,7 @@ def optimise_evidence(
     optimizer = torch.optim.Adam(groups)
     history, stopper = LocationHistory(), EarlyStopping(s.patience, s.rel_tol)
     start = time.perf_counter()
-    for _ in tqdm(range(s.steps), desc="Locations", disable=not s.progress_bar):
+    for _ in progress(range(s.steps), desc="Locations", enabled=s.progress_bar):
         optimizer.zero_grad()
         loss = evidence_loss_backward(
             backend, Z, data, likelihood, log_prec.exp(), log_sigma.exp(),

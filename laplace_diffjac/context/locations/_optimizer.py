@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
-from tqdm import tqdm
 
+from ..._progress import progress
 from ...backends import BackendSpec, as_backend
 from ...data import (
     Data,
@@ -315,7 +315,7 @@ def _optimise(
     optimizer = torch.optim.Adam([Z], lr=lr)
     stopper = EarlyStopping(s.patience, s.rel_tol)
     start = time.perf_counter()
-    bar = tqdm(range(s.steps), desc="Locations", disable=not s.progress_bar)
+    bar = progress(range(s.steps), desc="Locations", enabled=s.progress_bar)
     for _ in bar:
         part = source.next_local()
         if part is None:
@@ -330,7 +330,7 @@ def _optimise(
         optimizer.step()
         history.objective.append(value)
         history.time.append(time.perf_counter() - start)
-        bar.set_postfix(objective=f"{value:.4g}")
+        bar.set_postfix(objective=f"{value:.4g}", refresh=False)
         if stopper.stop(value):
             history.stopped_early = True
             break

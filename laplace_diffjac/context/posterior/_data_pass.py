@@ -6,8 +6,8 @@ import copy
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
+from ..._progress import progress
 from ...backends import BackendSpec, JacobianBackend
 from ...data import TrainingData, check_targets
 from ._features import batch_features
@@ -70,7 +70,7 @@ def accumulate(
     """
     param = next(iter(backend.model.parameters()))
     batches = data.checked_batches(input_dtype, feature_shape)
-    for xb, yb in tqdm(batches, disable=not progress_bar):
+    for xb, yb in progress(batches, desc="Data", enabled=progress_bar):
         xb = xb.to(device=param.device, dtype=param.dtype)
         with torch.no_grad():
             features = batch_features(backend, xb, False, structured)

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
+from ..._progress import progress
 from ...data import reduce_mean
 
 
@@ -113,7 +113,7 @@ def marglik(
         log_sigma.requires_grad_()
         params.append(log_sigma)
     optimizer = torch.optim.Adam(params, lr=lr)
-    for _ in tqdm(range(n_steps), disable=not progress_bar, desc="marglik"):
+    for _ in progress(range(n_steps), desc="marglik", enabled=progress_bar):
         optimizer.zero_grad()
         sigma = log_sigma.exp() if learn_sigma_noise else None
         neg = -la.log_marginal_likelihood(log_prec.exp(), sigma)
@@ -192,7 +192,7 @@ def gridsearch(
     if loss is None:
         loss = _default_loss(la)
     results = []
-    for prec in tqdm(grid, disable=not progress_bar, desc="gridsearch"):
+    for prec in progress(grid, desc="gridsearch", enabled=progress_bar):
         la.prior_precision = prec.reshape(1)
         try:
             results.append(
