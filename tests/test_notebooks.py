@@ -1,7 +1,7 @@
 """Every example notebook runs at smoke size and its closing assertions hold.
 
 The notebooks run in a kernel on the current interpreter (a kernelspec in a temporary
-directory, see ``docs/notebooks/execute.py``), so this works in a fresh ``pip install -e
+directory, see ``notebooks/execute.py``), so this works in a fresh ``pip install -e
 .[test]`` environment. Warnings inside the kernel are the notebooks' business; this
 process only checks that every cell, the final assertions included, succeeds.
 """
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-_EXECUTE = Path(__file__).resolve().parents[1] / "docs" / "notebooks" / "execute.py"
+_EXECUTE = Path(__file__).resolve().parents[1] / "notebooks" / "execute.py"
 _spec = importlib.util.spec_from_file_location("notebook_execute", _EXECUTE)
 assert _spec is not None and _spec.loader is not None
 execute_notebooks = importlib.util.module_from_spec(_spec)

@@ -2,9 +2,9 @@
 
 Run from anywhere to refresh the committed outputs (full size, in place)::
 
-    python docs/notebooks/execute.py                 # all notebooks
-    python docs/notebooks/execute.py 02_*.ipynb      # some of them
-    python docs/notebooks/execute.py --smoke --no-write   # quick check, nothing written
+    python notebooks/execute.py                 # all notebooks
+    python notebooks/execute.py 02_*.ipynb      # some of them
+    python notebooks/execute.py --smoke --no-write   # quick check, nothing written
 
 The kernel is always ``sys.executable`` (a kernelspec written to a temporary
 directory), so the notebooks run against whatever environment runs this script,
