@@ -89,7 +89,7 @@ def worker(cfg: dict) -> dict:
     if cfg["world"] == 1:
         torch.set_num_threads(1)
         return measure(0, 1, cfg)
-    outs = run_on_ranks(measure, cfg["world"], cfg)
+    outs = run_on_ranks(measure, cfg["world"], cfg, start_method="spawn")
     if len({o["lml"] for o in outs}) != 1:
         raise RuntimeError(f"ranks disagree on the evidence: {outs}")
     merged = {k: max(o[k] for o in outs) for k in ("fit_s", "peak_inc_mib", "rss_mib")}

@@ -116,7 +116,7 @@ def worker(cfg: dict) -> dict:
     if cfg["world"] == 1:
         torch.set_num_threads(1)
         return measure(0, 1, cfg)
-    outs = run_on_ranks(measure, cfg["world"], cfg)
+    outs = run_on_ranks(measure, cfg["world"], cfg, start_method="spawn")
     keys = ("step_s", "pass_s", "fit_s", "rss_mib", "peak_inc_mib")
     return {k: max(o[k] for o in outs) for k in keys}
 
