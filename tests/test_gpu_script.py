@@ -81,3 +81,17 @@ def test_junit_counts_are_read(tmp_path):
     counts = _script().test_counts(xml)
     assert counts == {"tests": 7, "failures": 1, "errors": 0, "skipped": 2}
     assert _script().test_counts(tmp_path / "missing.xml") == {}
+
+
+def test_a_failed_test_step_reads_failed_whatever_pytest_skipped(tmp_path):
+    """A test step that fails, with pytest's counts (a ``skipped`` among them) in
+    its notes, reads "failed" in GPU.md, not "skipped"; a step never started reads
+    "skipped"."""
+    script = _script()
+    runner = script.Runner(tmp_path, budget_s=60)
+    failed = runner.run("tests", [sys.executable, "-c", "raise SystemExit(1)"])
+    failed.notes.update({"tests": 20, "failures": 1, "errors": 0, "skipped": 0})
+    runner.deadline = 0.0
+    runner.run("ntk", [sys.executable, "-c", "pass"])
+    done = script.summary(runner, "cpu", True, 60)
+    assert "| tests | failed |" in done and "| ntk | skipped |" in done

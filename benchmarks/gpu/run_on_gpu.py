@@ -246,11 +246,16 @@ def _section(path: pathlib.Path, start: str) -> list[str]:
 
 
 def _result(step: Step) -> str:
+    """``ok``, ``timed out``, ``skipped`` (never started) or ``failed``.
+
+    Skipped means the step did not run: no exit status. A test step's notes hold
+    pytest's own ``skipped`` count, which says nothing about the step itself.
+    """
     if step.ok:
         return "ok"
     if step.timed_out:
         return "timed out"
-    return "skipped" if "skipped" in step.notes else "failed"
+    return "skipped" if step.returncode is None else "failed"
 
 
 def summary(runner: Runner, device: str, quick: bool, budget: float) -> str:
