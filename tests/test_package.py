@@ -49,12 +49,22 @@ def test_factory_still_returns_functional_laplace():
     assert laplace_diffjac.__version__
 
 
-def test_using_the_package_sets_no_allocator_environment_variable():
-    """No environment change, e.g. ``THP_MEM_ALLOC_ENABLE`` (the user's choice)."""
+def _fresh_python(code: str, *, without: str):
+    """Run ``code`` in a new interpreter, the environment less ``without``."""
     import os
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if k != without}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
+def test_using_the_package_sets_no_allocator_environment_variable():
+    """No environment change, e.g. ``THP_MEM_ALLOC_ENABLE`` (the user's choice)."""
     code = (
         "import os\n"
         "before = dict(os.environ)\n"
@@ -67,55 +77,26 @@ def test_using_the_package_sets_no_allocator_environment_variable():
         "torch.autograd.grad(J.sum(), x)\n"
         "print(sorted(set(os.environ.items()) ^ set(before.items())))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _fresh_python(code, without="THP_MEM_ALLOC_ENABLE")
     assert out.stdout.strip() == "[]"
 
 
-def test_importing_the_package_writes_nothing_to_stderr():
+def test_importing_the_package_is_silent_and_leaves_the_filters_as_they_were():
     """A fresh interpreter, the user's default warning filters: a silent import.
 
     laplace-torch's import prints torch's ``torch.jit.script`` deprecation five
     times (its ASDL backend); the package silences that one warning around that
-    one import, so nothing reaches stderr.
+    one import, so nothing reaches stderr, and no filter of its outlives it.
     """
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    out = subprocess.run(
-        [sys.executable, "-c", "import laplace_diffjac"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stderr == ""
-    assert out.stdout == ""
-
-
-def test_the_import_leaves_the_warning_filters_as_they_were():
-    """Only the import is quiet: no filter of the package's outlives it."""
-    import os
-    import subprocess
-    import sys
-
     code = (
         "import warnings\n"
         "before = list(warnings.filters)\n"
         "import laplace_diffjac\n"
         "print(list(warnings.filters) == before)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "True"
+    out = _fresh_python(code, without="PYTHONWARNINGS")
+    assert out.stderr == ""
+    assert out.stdout == "True\n"
 
 
 def test_the_license_is_at_the_root_and_in_the_installed_metadata():
