@@ -42,6 +42,11 @@ from ._inputs import batch_size, check_model_output, detached
 from ._model_guard import preserved_state
 from ._warnings import quiet_batching_fallbacks, quiet_full_backward_hook_warning
 
+#: Bytes of output signals that :func:`row_chunked_factors` sends back at once:
+#: a curvature's rows go back in chunks of this size, never all ``V`` at once
+#: unless they fit.
+ROW_CHUNK_BYTES = 256 * 2**20
+
 
 @dataclass(frozen=True)
 class JacobianFactors:
@@ -232,6 +237,76 @@ def jacobian_factors(
     # The recorded layer inputs hang on the forward's graph through the
     # parameters: cut every factor, not only the output, for every caller.
     return result if enable_backprop else result.detach()
+
+
+def row_chunked_factors(
+    model: nn.Module,
+    x: torch.Tensor | Mapping,
+    params: Sequence[torch.Tensor],
+    seeds: Callable[[torch.Tensor], torch.Tensor],
+    consume: Callable[[JacobianFactors], None],
+    *,
+    root: nn.Module | None = None,
+    chunk_bytes: int | None = None,
+) -> torch.Tensor:
+    """The factors of ``seeds``' rows, a few rows at a time, from one forward pass.
+
+    The rows of a curvature are summed over (the GGN is ``Σ_v ρ_v ρ_vᵀ``), so a
+    caller that accumulates its sums needs the signals of only a few rows at once:
+    one forward pass records the module calls, then the rows go back in chunks
+    whose signals at the recorded outputs take at most ``chunk_bytes`` (at least
+    one row), each chunk's factors are handed to ``consume`` and freed before the
+    next chunk's backward. Detached, as :func:`jacobian_factors` without
+    ``enable_backprop``, and inside :func:`.model_guard.preserved_state`, so an
+    exception in ``consume`` too leaves the model as it was.
+
+    Parameters
+    ----------
+    model, x, params, root
+        As for :func:`jacobian_factors`.
+    seeds : callable
+        Maps the detached model output ``(batch, C)`` to the rows, ``(V, batch,
+        C)`` (see :func:`jacobian_factors`).
+    consume : callable
+        Called with each chunk's :class:`JacobianFactors` (``n_rows`` its rows), in
+        the order of the rows.
+    chunk_bytes : int, optional
+        Bytes of output signals one chunk may hold; :data:`ROW_CHUNK_BYTES` by
+        default.
+
+    Returns
+    -------
+    torch.Tensor
+        The detached model output, ``(batch, C)`` or ``(batch,)``.
+
+    """
+    root = model if root is None else root
+    modules = owning_modules(root, params)
+    batch = batch_size(x)
+    with preserved_state(model), torch.enable_grad():
+        rewritten = rewritten_modules(model, modules)
+        calls, f = recorded_forward(model, detached(x), modules, rewritten, batch)
+        f = check_model_output(f, batch)
+        check_batch_first(calls, batch, root)
+        f2 = f if f.dim() == 2 else f.unsqueeze(1)
+        signals = seeds(f2.detach())
+        targets = [c.signal_targets() for c in calls]
+        flat_targets = [t for ts in targets for t in ts]
+        per_row = sum(t.numel() * t.element_size() for t in flat_targets)
+        budget = ROW_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        step = max(1, budget // max(1, per_row))
+        for start in range(0, int(signals.shape[0]), step):
+            chunk = signals[start : start + step]
+            with quiet_full_backward_hook_warning(), quiet_batching_fallbacks():
+                flat = _batched_grad(f2, flat_targets, chunk, False)
+            with torch.no_grad():
+                factors = param_jacobian_factors(calls, _regroup(flat, targets), params)
+            del flat
+            parts = JacobianFactors(factors, f, int(chunk.shape[0]), batch)
+            del factors
+            consume(parts.detach())
+            del parts
+    return f.detach()
 
 
 def parameter_jacobians(
