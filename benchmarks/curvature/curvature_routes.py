@@ -28,7 +28,11 @@ Run: ``python benchmarks/curvature/curvature_routes.py [--quick] [--threads 2]
 [--n 256] [--batch 128] [--out PATH]``; ``--quick`` runs 4 images in batches of
 2, all rows in one process (timings mean nothing) and writes only where ``--out``
 says. Without ``--quick`` the results go to ``curvature_routes.json`` and
-``CURVATURE_ROUTES.md`` beside this script (Markdown beside any ``--out``).
+``CURVATURE_ROUTES.md`` beside this script (Markdown beside any ``--out``);
+``--report-only`` writes the Markdown again from the JSON. laplace-torch's
+``BackPackGGN`` fails on torchvision's ``BasicBlock`` (BackPACK's backward hooks
+and its ``out += identity``), and curvlinops' KFAC takes no batch norm: their rows
+say so.
 """
 
 from __future__ import annotations
@@ -258,6 +262,7 @@ def report(results: dict) -> str:
                 continue
             if "seconds" not in r:
                 why = r.get("skipped") or r.get("error", "")
+                why = why if len(why) <= 120 else why[:119] + "…"
                 lines.append(
                     f"| {r['method']} | {r['variant']} | – | – | – | – | {why} |"
                 )
@@ -283,8 +288,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-limit-gib", type=float, default=16.0)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.report_only:
+        out = args.out or HERE / "curvature_routes.json"
+        report_text = report(json.loads(out.read_text()))
+        (out.parent / "CURVATURE_ROUTES.md").write_text(report_text)
+        return
     if args.worker:  # a row that would exhaust the machine fails instead
         limit = int(args.memory_limit_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
