@@ -1,5 +1,5 @@
-"""``benchmarks/curvature/curvature_routes.py`` in its quick mode: every row of both
-ResNets, numbers or how the method failed, the report written, and
+"""``benchmarks/curvature/curvature_routes.py`` in its quick mode: every row of the
+three ResNets, numbers or how the method failed, the report written, and
 ``DiffBackPackGGN``'s diagonal equal to laplace-torch's ``CurvlinopsGGN`` one (the
 same GGN, from its Jacobians) where that runs.
 
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "benchmarks/curvature/curvature_routes.py"
-MODELS = ["resnet-nobn", "resnet-bn"]
+MODELS = ["resnet-nobn", "resnet-bn", "resnet-nobn-c100"]
 METHODS = ["DiffBackPackGGN", "KFACLinearOperator", "CurvlinopsGGN", "BackPackGGN"]
 
 
@@ -44,7 +44,7 @@ def test_quick_curvature_routes_rows_report_and_agreement(tmp_path: Path) -> Non
         elif "skipped" not in r:
             assert r["seconds"] > 0 and r["peak_gib"] >= 0 and r["check"] > 0, r
     ours = [r for r in rows if r["method"] == "DiffBackPackGGN"]
-    assert len(ours) == 8 and all("seconds" in r for r in ours), ours
+    assert len(ours) == 12 and all("seconds" in r for r in ours), ours
     kfac = next(
         r
         for r in rows
@@ -59,4 +59,4 @@ def test_quick_curvature_routes_rows_report_and_agreement(tmp_path: Path) -> Non
             mine = by[("DiffBackPackGGN", "diag")]["check"]
             assert abs(mine - theirs["check"]) <= 1e-4 * abs(theirs["check"])
     report = (tmp_path / "CURVATURE_ROUTES.md").read_text()
-    assert "## resnet-nobn" in report and "## resnet-bn" in report
+    assert all(f"## {model}\n" in report for model in MODELS)

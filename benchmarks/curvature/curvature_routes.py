@@ -7,9 +7,11 @@ operator, ``compute_kronecker_factors``; of the Linear and convolution layers'
 parameters, as it takes no batch norm), and laplace-torch's ``CurvlinopsGGN`` and
 ``BackPackGGN`` ``diag`` and ``kron`` where they run, on torchvision's ResNet
 (``BasicBlock``, one per stage, 4.9 million parameters, 10 classes) with batch norm
-(eval mode) and without (``norm_layer=nn.Identity``), on random 3×32×32 images
-and labels (seeded): by default 256 images in batches of 128. The backends'
-methods are called once per batch, as laplace-torch's ``fit`` calls them (without
+(eval mode) and without (``norm_layer=nn.Identity``), and without it for 100
+classes (``resnet-nobn-c100``: 100 rows of the loss Hessian's square root, which
+the engine sends back in chunks), on random 3×32×32 images and labels (seeded):
+by default 256 images in batches of 128. The backends' methods are called once
+per batch, as laplace-torch's ``fit`` calls them (without
 its eigendecompositions).
 
 Per row: seconds of the curvature over all batches, and the peak resident memory
@@ -50,7 +52,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-MODELS = ["resnet-nobn", "resnet-bn"]
+MODELS = ["resnet-nobn", "resnet-bn", "resnet-nobn-c100"]
 #: (method, variant): what each row runs.
 ROWS = [
     ("DiffBackPackGGN", "diag"),
@@ -65,7 +67,11 @@ ROWS = [
     ("BackPackGGN", "kron"),
 ]
 REFERENCE = ("KFACLinearOperator", "type-2")
-CLASSES = 10
+
+
+def classes(model: str) -> int:
+    """Outputs of ``model``: 100 for ``-c100``, else 10."""
+    return 100 if model.endswith("-c100") else 10
 
 
 def build(model: str):
@@ -76,7 +82,7 @@ def build(model: str):
 
     torch.manual_seed(0)
     norm = nn.BatchNorm2d if model == "resnet-bn" else nn.Identity
-    net = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=CLASSES, norm_layer=norm)
+    net = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=classes(model), norm_layer=norm)
     if model == "resnet-bn":  # running statistics away from their initial values
         for m in net.modules():
             if isinstance(m, nn.BatchNorm2d):
@@ -85,13 +91,13 @@ def build(model: str):
     return net.eval()
 
 
-def batches(n: int, batch: int) -> list:
+def batches(n: int, batch: int, n_classes: int) -> list:
     """Seeded random images ``(batch, 3, 32, 32)`` and labels."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(n, 3, 32, 32, generator=gen)
-    y = torch.randint(0, CLASSES, (n,), generator=gen)
+    y = torch.randint(0, n_classes, (n,), generator=gen)
     return [(x[i : i + batch], y[i : i + batch]) for i in range(0, n, batch)]
 
 
@@ -168,14 +174,14 @@ def measure(cfg: dict) -> dict:
 
     torch.set_num_threads(cfg["threads"])
     model = build(cfg["model"])
-    data = batches(cfg["n"], cfg["batch"])
+    data = batches(cfg["n"], cfg["batch"], classes(cfg["model"]))
     row = {k: cfg[k] for k in ("model", "method", "variant")}
     n_params = sum(p.numel() for p in model.parameters())
     row["n_params"] = n_params
     if cfg["method"] == "KFACLinearOperator":
         row["n_params_curvature"] = sum(p.numel() for p in _kfac_params(model))
     if (cfg["method"], cfg["variant"]) == ("CurvlinopsGGN", "diag"):
-        gib = cfg["batch"] * CLASSES * n_params * 4 / 2**30
+        gib = cfg["batch"] * classes(cfg["model"]) * n_params * 4 / 2**30
         if gib > cfg["max_jacobian_gib"]:
             row["skipped"] = (
                 f"laplace-torch's GGNInterface.diag forms J (B, C, P): {gib:.1f} GiB "
@@ -251,6 +257,8 @@ def report(results: dict) -> str:
         " of the same model.",
     ]
     for model in MODELS:
+        if not any(r["model"] == model for r in results["rows"]):
+            continue
         lines += ["", f"## {model}", ""]
         lines += [
             "| method | variant | s | peak GiB | time / KFAC | peak − KFAC's (GiB) "
