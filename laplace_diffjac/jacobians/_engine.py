@@ -13,6 +13,10 @@
    straight into one ``(batch, C, P)`` tensor (no per-block copies, no
    concatenation) with a backward pass of its own.
 
+For the curvature (:func:`row_chunked_factors`), step 2 sends the rows of the
+loss Hessian's square root back a chunk at a time after the one forward, and each
+chunk's factors go to the caller's sums before the next chunk's signals exist.
+
 With ``enable_backprop=True`` the signals are computed with ``create_graph=True``, so
 the Jacobians are differentiable with respect to the input and the parameters; with
 ``enable_backprop=False`` step 3 runs under ``torch.no_grad`` and no graph is kept.
@@ -184,22 +188,14 @@ def jacobian_factors(
     root: nn.Module | None = None,
     enable_backprop: bool = False,
     selected_outputs: torch.Tensor | None = None,
-    seeds: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> JacobianFactors:
     """Per-layer factors of the per-sample Jacobians with respect to ``params``.
 
     Steps 1 to 3 of the module docstring without the final write of ``J``: what
     :func:`parameter_jacobians` assembles, and what the NTK contracts layer by
     layer (:mod:`laplace_diffjac.kernels`). Arguments as for
-    :func:`parameter_jacobians`, and:
-
-    Parameters
-    ----------
-    seeds : callable, optional
-        Maps the detached model output ``(batch, C)`` to the rows to
-        differentiate, ``(V, batch, C)``: row ``v`` of sample ``b`` is
-        ``seeds[v, b] · J_b`` (a square root of the loss Hessian for the GGN, the
-        loss gradient for the empirical Fisher). Not with ``selected_outputs``.
+    :func:`parameter_jacobians` (the curvature's seeded rows, a chunk at a time:
+    :func:`row_chunked_factors`).
 
     Returns
     -------
@@ -218,10 +214,7 @@ def jacobian_factors(
         f = check_model_output(f, batch)
         check_batch_first(calls, batch, root)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
-        if seeds is None:
-            signals = _output_signals(f2, selected_outputs)
-        else:
-            signals = seeds(f2.detach())
+        signals = _output_signals(f2, selected_outputs)
         targets = [c.signal_targets() for c in calls]
         with (
             quiet_full_backward_hook_warning(),  # hooks of a user-extended model
@@ -265,8 +258,10 @@ def row_chunked_factors(
     model, x, params, root
         As for :func:`jacobian_factors`.
     seeds : callable
-        Maps the detached model output ``(batch, C)`` to the rows, ``(V, batch,
-        C)`` (see :func:`jacobian_factors`).
+        Maps the detached model output ``(batch, C)`` to the rows to
+        differentiate, ``(V, batch, C)``: row ``v`` of sample ``b`` is
+        ``seeds[v, b] · J_b`` (a square root of the loss Hessian for the GGN, the
+        loss gradient for the empirical Fisher).
     consume : callable
         Called with each chunk's :class:`JacobianFactors` (``n_rows`` its rows), in
         the order of the rows.
