@@ -1,7 +1,10 @@
-"""``benchmarks/curvature/curvature_routes.py`` in its quick mode: every row of the
-three ResNets, numbers or how the method failed, the report written, and
-``DiffBackPackGGN``'s diagonal equal to laplace-torch's ``CurvlinopsGGN`` one (the
-same GGN, from its Jacobians) where that runs.
+"""``benchmarks/curvature/``'s scripts in their quick modes.
+
+``curvature_routes.py``: every row of the three ResNets, numbers or how the
+method failed, the report written, and ``DiffBackPackGGN``'s diagonal equal to
+laplace-torch's ``CurvlinopsGGN`` one (the same GGN, from its Jacobians) where
+that runs. ``profile_phases.py``: every phase printed, the phases within the
+total.
 
 No timing is asserted: quick-mode timings are single cold runs.
 """
@@ -61,3 +64,23 @@ def test_quick_curvature_routes_rows_report_and_agreement(tmp_path: Path) -> Non
             assert abs(mine - theirs["check"]) <= 1e-4 * abs(theirs["check"])
     report = (tmp_path / "CURVATURE_ROUTES.md").read_text()
     assert all(f"## {model}\n" in report for model in MODELS)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_quick_profile_prints_every_phase(structure: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/curvature/profile_phases.py", "--quick"]
+        + ["--structure", structure, "--threads", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in proc.stdout.splitlines()[1:]
+    }
+    assert set(values) == {"forward", "backward", "rules", "sums", "total", "peak_gib"}
+    assert all(values[p] > 0 for p in ("forward", "backward", "rules", "sums"))
+    assert values["total"] >= values["backward"] + values["sums"]
