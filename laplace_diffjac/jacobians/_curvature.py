@@ -28,6 +28,12 @@ from ._loss_seeds import ggn_seeds, gradient_seeds, model_loss
 
 __all__ = ["ef_diagonal", "ggn_diagonal", "ggn_kronecker_factors"]
 
+#: The diagonal's chunks of rows, in multiples of the engine's: its position
+#: Grams (:mod:`._position_diagonal`) cost the same for one row as for many, so
+#: fewer, larger chunks are faster (a CIFAR ResNet with 100 classes, batch 128,
+#: one thread: 14 s with 256 MiB, 20 s with 64 MiB).
+_DIAGONAL_CHUNK_SCALE = 4
+
 
 def _summed_diagonal(
     model: nn.Module,
@@ -43,7 +49,9 @@ def _summed_diagonal(
         part = factor_ggn_diagonal(parts, params)
         total.append(part if not total else total.pop() + part)
 
-    f = row_chunked_factors(model, x, params, seeds, add, root=root)
+    f = row_chunked_factors(
+        model, x, params, seeds, add, root=root, chunk_scale=_DIAGONAL_CHUNK_SCALE
+    )
     if not total:  # no rows: nothing was added
         size = sum(p.numel() for p in params)
         return f, torch.zeros(size, dtype=f.dtype, device=f.device)

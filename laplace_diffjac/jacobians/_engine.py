@@ -48,8 +48,11 @@ from ._warnings import quiet_batching_fallbacks, quiet_full_backward_hook_warnin
 
 #: Bytes of output signals that :func:`row_chunked_factors` sends back at once:
 #: a curvature's rows go back in chunks of this size, never all ``V`` at once
-#: unless they fit.
-ROW_CHUNK_BYTES = 256 * 2**20
+#: unless they fit. On a CIFAR ResNet (batch 128, 100 classes, one thread) the
+#: Kronecker factors take as long with 64 MiB as with 256 MiB and half the memory;
+#: the diagonal, whose position Grams are formed again for every chunk, asks for
+#: a multiple of it (``_curvature``).
+ROW_CHUNK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,7 @@ def row_chunked_factors(
     *,
     root: nn.Module | None = None,
     chunk_bytes: int | None = None,
+    chunk_scale: int = 1,
 ) -> torch.Tensor:
     """The factors of ``seeds``' rows, a few rows at a time, from one forward pass.
 
@@ -268,6 +272,8 @@ def row_chunked_factors(
     chunk_bytes : int, optional
         Bytes of output signals one chunk may hold; :data:`ROW_CHUNK_BYTES` by
         default.
+    chunk_scale : int, default=1
+        ``chunk_bytes`` times this (a caller's multiple of the default).
 
     Returns
     -------
@@ -289,7 +295,7 @@ def row_chunked_factors(
         flat_targets = [t for ts in targets for t in ts]
         per_row = sum(t.numel() * t.element_size() for t in flat_targets)
         budget = ROW_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-        step = max(1, budget // max(1, per_row))
+        step = max(1, budget * chunk_scale // max(1, per_row))
         for start in range(0, int(signals.shape[0]), step):
             chunk = signals[start : start + step]
             with quiet_full_backward_hook_warning(), quiet_batching_fallbacks():
