@@ -23,6 +23,7 @@ TOPICS = [
     "scaling",
     "bayesopt",
     "zoo",
+    "curvature",
     "gpu",
 ]
 

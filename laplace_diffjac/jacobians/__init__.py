@@ -8,11 +8,12 @@ batched ``torch.autograd.grad`` sends all output signals back to those outputs
 (``_engine``); per-module rules (``_derivatives``, and ``_rules_local`` for modules
 without one of their own) turn them into factors that are written into one ``(B, C,
 P)`` tensor by a custom autograd function (``_assembly``). The curvature (GGN
-diagonal, Kronecker factors, the empirical Fisher's diagonal) is the same pass
-seeded with square roots of the loss Hessian (``_curvature``, ``_loss_seeds``,
-``_kronecker``); ``_model_guard`` undoes every attribute, hook and ``.grad`` a call
-leaves behind, ``_last_layer`` gives closed-form last-layer Jacobians and
-``_inputs`` checks what comes in.
+diagonal, Kronecker factors, the empirical Fisher's diagonal) is the same forward
+with its backward seeded with square roots of the loss Hessian, a chunk of those
+rows at a time, each chunk's sums added and its signals freed (``_curvature``,
+``_loss_seeds``, ``_kronecker``, ``_position_diagonal``); ``_model_guard`` undoes
+every attribute, hook and ``.grad`` a call leaves behind, ``_last_layer`` gives
+closed-form last-layer Jacobians and ``_inputs`` checks what comes in.
 """
 
 from ._engine import parameter_jacobians, per_sample_gradients

@@ -13,6 +13,10 @@
    straight into one ``(batch, C, P)`` tensor (no per-block copies, no
    concatenation) with a backward pass of its own.
 
+For the curvature (:func:`row_chunked_factors`), step 2 sends the rows of the
+loss Hessian's square root back a chunk at a time after the one forward, and each
+chunk's factors go to the caller's sums before the next chunk's signals exist.
+
 With ``enable_backprop=True`` the signals are computed with ``create_graph=True``, so
 the Jacobians are differentiable with respect to the input and the parameters; with
 ``enable_backprop=False`` step 3 runs under ``torch.no_grad`` and no graph is kept.
@@ -41,6 +45,14 @@ from ._forward import recorded_forward
 from ._inputs import batch_size, check_model_output, detached
 from ._model_guard import preserved_state
 from ._warnings import quiet_batching_fallbacks, quiet_full_backward_hook_warning
+
+#: Bytes of output signals that :func:`row_chunked_factors` sends back at once:
+#: a curvature's rows go back in chunks of this size, never all ``V`` at once
+#: unless they fit. On a CIFAR ResNet (batch 128, 100 classes, one thread) the
+#: Kronecker factors take as long with 64 MiB as with 256 MiB and half the memory;
+#: the diagonal, whose position Grams are formed again for every chunk, asks for
+#: a multiple of it (``_curvature``).
+ROW_CHUNK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -179,22 +191,14 @@ def jacobian_factors(
     root: nn.Module | None = None,
     enable_backprop: bool = False,
     selected_outputs: torch.Tensor | None = None,
-    seeds: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> JacobianFactors:
     """Per-layer factors of the per-sample Jacobians with respect to ``params``.
 
     Steps 1 to 3 of the module docstring without the final write of ``J``: what
     :func:`parameter_jacobians` assembles, and what the NTK contracts layer by
     layer (:mod:`laplace_diffjac.kernels`). Arguments as for
-    :func:`parameter_jacobians`, and:
-
-    Parameters
-    ----------
-    seeds : callable, optional
-        Maps the detached model output ``(batch, C)`` to the rows to
-        differentiate, ``(V, batch, C)``: row ``v`` of sample ``b`` is
-        ``seeds[v, b] · J_b`` (a square root of the loss Hessian for the GGN, the
-        loss gradient for the empirical Fisher). Not with ``selected_outputs``.
+    :func:`parameter_jacobians` (the curvature's seeded rows, a chunk at a time:
+    :func:`row_chunked_factors`).
 
     Returns
     -------
@@ -213,10 +217,7 @@ def jacobian_factors(
         f = check_model_output(f, batch)
         check_batch_first(calls, batch, root)
         f2 = f if f.dim() == 2 else f.unsqueeze(1)
-        if seeds is None:
-            signals = _output_signals(f2, selected_outputs)
-        else:
-            signals = seeds(f2.detach())
+        signals = _output_signals(f2, selected_outputs)
         targets = [c.signal_targets() for c in calls]
         with (
             quiet_full_backward_hook_warning(),  # hooks of a user-extended model
@@ -232,6 +233,81 @@ def jacobian_factors(
     # The recorded layer inputs hang on the forward's graph through the
     # parameters: cut every factor, not only the output, for every caller.
     return result if enable_backprop else result.detach()
+
+
+def row_chunked_factors(
+    model: nn.Module,
+    x: torch.Tensor | Mapping,
+    params: Sequence[torch.Tensor],
+    seeds: Callable[[torch.Tensor], torch.Tensor],
+    consume: Callable[[JacobianFactors], None],
+    *,
+    root: nn.Module | None = None,
+    chunk_bytes: int | None = None,
+    chunk_scale: int = 1,
+) -> torch.Tensor:
+    """The factors of ``seeds``' rows, a few rows at a time, from one forward pass.
+
+    The rows of a curvature are summed over (the GGN is ``Σ_v ρ_v ρ_vᵀ``), so a
+    caller that accumulates its sums needs the signals of only a few rows at once:
+    one forward pass records the module calls, then the rows go back in chunks
+    whose signals at the recorded outputs take at most ``chunk_bytes`` (at least
+    one row), each chunk's factors are handed to ``consume`` and freed before the
+    next chunk's backward. Detached, as :func:`jacobian_factors` without
+    ``enable_backprop``, and inside :func:`.model_guard.preserved_state`, so an
+    exception in ``consume`` too leaves the model as it was.
+
+    Parameters
+    ----------
+    model, x, params, root
+        As for :func:`jacobian_factors`.
+    seeds : callable
+        Maps the detached model output ``(batch, C)`` to the rows to
+        differentiate, ``(V, batch, C)``: row ``v`` of sample ``b`` is
+        ``seeds[v, b] · J_b`` (a square root of the loss Hessian for the GGN, the
+        loss gradient for the empirical Fisher).
+    consume : callable
+        Called with each chunk's :class:`JacobianFactors` (``n_rows`` its rows), in
+        the order of the rows.
+    chunk_bytes : int, optional
+        Bytes of output signals one chunk may hold; :data:`ROW_CHUNK_BYTES` by
+        default.
+    chunk_scale : int, default=1
+        ``chunk_bytes`` times this (a caller's multiple of the default).
+
+    Returns
+    -------
+    torch.Tensor
+        The detached model output, ``(batch, C)`` or ``(batch,)``.
+
+    """
+    root = model if root is None else root
+    modules = owning_modules(root, params)
+    batch = batch_size(x)
+    with preserved_state(model), torch.enable_grad():
+        rewritten = rewritten_modules(model, modules)
+        calls, f = recorded_forward(model, detached(x), modules, rewritten, batch)
+        f = check_model_output(f, batch)
+        check_batch_first(calls, batch, root)
+        f2 = f if f.dim() == 2 else f.unsqueeze(1)
+        signals = seeds(f2.detach())
+        targets = [c.signal_targets() for c in calls]
+        flat_targets = [t for ts in targets for t in ts]
+        per_row = sum(t.numel() * t.element_size() for t in flat_targets)
+        budget = ROW_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        step = max(1, budget * chunk_scale // max(1, per_row))
+        for start in range(0, int(signals.shape[0]), step):
+            chunk = signals[start : start + step]
+            with quiet_full_backward_hook_warning(), quiet_batching_fallbacks():
+                flat = _batched_grad(f2, flat_targets, chunk, False)
+            with torch.no_grad():
+                factors = param_jacobian_factors(calls, _regroup(flat, targets), params)
+            del flat
+            parts = JacobianFactors(factors, f, int(chunk.shape[0]), batch)
+            del factors
+            consume(parts.detach())
+            del parts
+    return f.detach()
 
 
 def parameter_jacobians(

@@ -8,13 +8,15 @@ per parameter from the factors of :mod:`._assembly`, without writing ``J``:
 
 ``Product``  ``J v``: ``Σ_{o,l} g[b,v,o,l] (a[b,l,:] · v[o,:])``; the diagonal in
              closed form without tokens (``L = 1``): ``Σ_b q[b,o] a[b,k]²`` with
-             ``q[b,o] = Σ_{v,w} g[b,v,o] Λ[b,v,w] g[b,w,o]``
+             ``q[b,o] = Σ_{v,w} g[b,v,o] Λ[b,v,w] g[b,w,o]``; over tokens or
+             positions by the cheaper of its rows and its position Grams
+             (:mod:`._position_diagonal`)
 ``Summed``   both in closed form from the summed signals
 ``Scattered`` ``J v`` gathers the looked-up rows of ``v``
 ``Dense``    the block is given: contract it
 
-Where no closed form is written (``Product`` over tokens or positions, ``Scattered``,
-a parameter used by several module calls), the diagonal contracts that one
+Where no closed form is written (``Scattered``, a parameter used by several module
+calls), the diagonal contracts that one
 parameter's block, written for a few samples at a time so that it never holds
 more than ``_BLOCK_BYTES``. Everything is ordinary autograd on the factors.
 """
@@ -27,6 +29,7 @@ import torch
 
 from ._assembly import Dense, Factors, Product, Scattered, Summed, assemble
 from ._engine import JacobianFactors
+from ._position_diagonal import product_diagonal
 
 __all__ = ["factor_ggn_diagonal", "factor_jvp", "parameter_blocks"]
 
@@ -127,13 +130,13 @@ def factor_ggn_diagonal(
 
 
 def _has_closed_form(entry: Factors) -> bool:
-    if isinstance(entry, Product):
-        return entry.g.shape[3] == 1
-    return isinstance(entry, (Summed, Dense))
+    return isinstance(entry, (Product, Summed, Dense))
 
 
 def _entry_diagonal(entry: Factors, lam: torch.Tensor | None) -> torch.Tensor:
     """The closed forms of the module docstring, ``(n,)`` for one parameter."""
+    if isinstance(entry, Product) and entry.g.shape[3] > 1:
+        return product_diagonal(entry, lam)
     if isinstance(entry, Product):
         g = entry.g[..., 0]  # (B, V, out)
         if lam is None:

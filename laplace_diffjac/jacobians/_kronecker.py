@@ -37,6 +37,8 @@ rescaling by ``M / N`` and its sum over batches give the data set's factors.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +50,12 @@ from ._factor_products import parameter_blocks
 from ._rules_conv import has_closed_form_conv
 from ._rules_conv1d import is_hf_conv1d
 
-__all__ = ["KFAC_APPROXIMATIONS", "check_kfac_approx", "kronecker_factors"]
+__all__ = [
+    "KFAC_APPROXIMATIONS",
+    "KroneckerSums",
+    "check_kfac_approx",
+    "kronecker_factors",
+]
 
 #: The two KFAC settings for layers shared over tokens.
 KFAC_APPROXIMATIONS = ("expand", "reduce")
@@ -109,26 +116,123 @@ def kronecker_factors(
         Per parameter ``[F]`` or ``[F0, F1]`` in the dtype of ``parts``.
 
     """
-    check_kfac_approx(approx)
-    return [_parameter_factors(parts, p, owners[id(p)], approx) for p in params]
+    sums = KroneckerSums(params, owners, approx)
+    sums.add(parts)
+    return sums.factors()
 
 
-def _parameter_factors(
-    parts: JacobianFactors, p: torch.Tensor, owner: nn.Module, approx: str
-) -> list[torch.Tensor]:
+class KroneckerSums:
+    """The factors of :func:`kronecker_factors`, summed over chunks of the rows.
+
+    Every factor that depends on the rows is a sum over them (the signal Grams
+    ``G``, the exact blocks), and every other one depends on the inputs alone (the
+    input factors ``A``, taken from the first chunk), so that chunks of rows of
+    the same samples (:func:`._engine.row_chunked_factors`) give the factors of
+    all the rows; only the nearest Kronecker product keeps its parameter's
+    Jacobian rows until :meth:`factors`.
+
+    Parameters
+    ----------
+    params, owners, approx
+        As for :func:`kronecker_factors`.
+
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        owners: Mapping[int, nn.Module],
+        approx: str = "expand",
+    ) -> None:
+        self._approx = check_kfac_approx(approx)
+        self._params = list(params)
+        self._owners = owners
+        self._sums: dict[int, _Sums] = {}
+
+    def add(self, parts: JacobianFactors) -> None:
+        """Add one chunk of rows (of the same samples as every other chunk)."""
+        for p in self._params:
+            sums = self._sums.get(id(p))
+            if sums is None:
+                route = _route(parts, p, self._owners[id(p)])
+                sums = self._sums[id(p)] = _Sums(route, parts.batch, parts.f)
+            _add(sums, parts, p, self._owners[id(p)], self._approx)
+
+    def factors(self) -> list[list[torch.Tensor]]:
+        """Per parameter ``[F]`` or ``[F0, F1]`` of the rows added so far.
+
+        Returns
+        -------
+        list of list of torch.Tensor
+
+        """
+        return [_finish(self._sums[id(p)], p, self._approx) for p in self._params]
+
+
+@dataclass
+class _Sums:
+    """One parameter's running sums: its route, and what it has summed or kept."""
+
+    route: str  # "zero", "conv", "kfac", "exact" or "nearest"
+    batch: int
+    like: torch.Tensor  # the model output: dtype and device
+    total: torch.Tensor | None = None  # G, or the exact block
+    inputs: Any = None  # the input factors, from the first chunk
+    rows: list[torch.Tensor] = field(default_factory=list)  # nearest: ρ (N, m, n)
+
+
+def _route(parts: JacobianFactors, p: torch.Tensor, owner: nn.Module) -> str:
+    """Which approximation the module docstring gives ``p``."""
     entries = parts.factors.get(id(p), [])
     if not entries:
+        return "zero"
+    if has_closed_form_conv(owner) and _all(entries, (Product, Summed)):
+        return "conv"
+    if _shared_linear(owner) and _all(entries, (Product, Summed, Scattered)):
+        return "kfac"
+    if p.dim() == 1 or _factor_sizes(p)[0] == 1:
+        return "exact"
+    return "nearest"
+
+
+def _add(
+    sums: _Sums, parts: JacobianFactors, p: torch.Tensor, owner: nn.Module, approx: str
+) -> None:
+    """Add one chunk's part of ``p``'s factors to ``sums``."""
+    entries = parts.factors.get(id(p), [])
+    if sums.route == "zero":
+        return
+    if sums.route == "nearest":
+        m, n = _factor_sizes(p)
+        sums.rows.extend(J.reshape(-1, m, n) for _, J in parameter_blocks(parts, p))
+        return
+    if sums.route == "exact":
+        part = _exact_block(parts, p)
+    else:
+        part = _signal_gram(entries, reduce=sums.route == "conv" or approx == "reduce")
+        if sums.inputs is None and sums.route == "conv":
+            sums.inputs = _conv_inputs(entries, parts.batch)
+        elif sums.inputs is None:
+            sums.inputs = _kfac_inputs(entries, owner, approx == "reduce")
+    sums.total = part if sums.total is None else sums.total + part
+
+
+def _finish(sums: _Sums, p: torch.Tensor, approx: str) -> list[torch.Tensor]:
+    """``p``'s factors from its sums."""
+    if sums.route == "zero":
+        like = sums.like
         return [
-            torch.zeros(n, n, dtype=parts.f.dtype, device=parts.f.device)
+            torch.zeros(n, n, dtype=like.dtype, device=like.device)
             for n in _factor_sizes(p)
         ]
-    if has_closed_form_conv(owner) and _all(entries, (Product, Summed)):
-        return _conv_factors(entries, parts.batch)
-    if _shared_linear(owner) and _all(entries, (Product, Summed, Scattered)):
-        return _kfac_factors(entries, owner, parts.batch, approx)
-    if p.dim() == 1 or _factor_sizes(p)[0] == 1:
-        return _exact_factors(parts, p)
-    return _nearest_kronecker(parts, p)
+    if sums.route == "nearest":
+        return _nearest_kronecker(torch.cat(sums.rows), *_factor_sizes(p))
+    assert sums.total is not None
+    if sums.route == "exact":
+        return _exact_factors(sums.total, p, sums.batch)
+    if sums.route == "conv":
+        return [sums.total, *sums.inputs]
+    return _kfac_factors(sums.total, sums.inputs, sums.batch, approx)
 
 
 def _factor_sizes(p: torch.Tensor) -> tuple[int, ...]:
@@ -176,34 +280,74 @@ def _tokens(entries: Sequence[Factors]) -> int:
     return sum(_signals(e).shape[3] for e in entries)
 
 
-def _conv_factors(entries: Sequence[Factors], batch: int) -> list[torch.Tensor]:
-    """BackPACK's ``KFLR`` of a convolution: ``[G, A]`` or ``[G]`` (the bias)."""
-    G = _signal_gram(entries, reduce=True)
+def _conv_inputs(entries: Sequence[Factors], batch: int) -> list[torch.Tensor]:
+    """BackPACK's ``KFLR`` input factor of a convolution.
+
+    With the signal Gram ``G`` of :func:`_signal_gram` (``reduce``), the factors
+    are ``[G, A]``, or ``[G]`` for a bias.
+
+    Returns
+    -------
+    list of torch.Tensor
+        ``[A]``, or ``[]`` for a bias.
+
+    """
     inputs = [e.a for e in entries if isinstance(e, Product)]
     if not inputs:
-        return [G]
+        return []
     flat = torch.cat([a.reshape(-1, a.shape[2]) for a in inputs])
-    return [G, flat.T @ flat / batch]
+    return [flat.T @ flat / batch]
 
 
-def _kfac_factors(
-    entries: Sequence[Factors], owner: nn.Module, batch: int, approx: str
-) -> list[torch.Tensor]:
-    """KFAC expand/reduce of a weight shared over tokens, or of its bias."""
-    reduce = approx == "reduce"
-    G = _signal_gram(entries, reduce)
+@dataclass(frozen=True)
+class _KfacInputs:
+    """What KFAC takes from a layer's inputs (and none of its signals).
+
+    Attributes
+    ----------
+    kind : str
+        ``'bias'``, ``'embedding'``, ``'transposed'`` (a weight ``(in, out)``) or
+        ``'weight'``.
+    A : torch.Tensor or None
+        The input factor before its normalisation; ``None`` for a bias.
+    tokens : int
+        Tokens summed over, all calls together.
+
+    """
+
+    kind: str
+    A: torch.Tensor | None
+    tokens: int
+
+
+def _kfac_inputs(
+    entries: Sequence[Factors], owner: nn.Module, reduce: bool
+) -> _KfacInputs:
+    """The input side of KFAC expand/reduce of a weight shared over tokens."""
     tokens = _tokens(entries)
     first = entries[0]
     if isinstance(first, Summed):  # a bias: a weight of input 1
-        return [G]
+        return _KfacInputs("bias", None, tokens)
     if isinstance(first, Scattered):
         A = _embedding_inputs(entries, owner, reduce)  # (vocab, vocab), summed
-        return [A, G / (batch * (1 if reduce else tokens))]
+        return _KfacInputs("embedding", A, tokens)
     assert isinstance(first, Product)
-    A = _input_gram(entries, reduce)
-    if first.transposed:  # weight (in, out): input factor first
-        return [A / (1 if reduce else tokens), G / batch]
-    return [G, A / (batch * (1 if reduce else tokens))]
+    kind = "transposed" if first.transposed else "weight"
+    return _KfacInputs(kind, _input_gram(entries, reduce), tokens)
+
+
+def _kfac_factors(
+    G: torch.Tensor, inputs: _KfacInputs, batch: int, approx: str
+) -> list[torch.Tensor]:
+    """KFAC expand/reduce of a weight shared over tokens, or of its bias."""
+    per_token = 1 if approx == "reduce" else inputs.tokens
+    if inputs.A is None:
+        return [G]
+    if inputs.kind == "embedding":
+        return [inputs.A, G / (batch * per_token)]
+    if inputs.kind == "transposed":  # weight (in, out): input factor first
+        return [inputs.A / per_token, G / batch]
+    return [G, inputs.A / (batch * per_token)]
 
 
 def _input_gram(entries: Sequence[Factors], reduce: bool) -> torch.Tensor:
@@ -243,16 +387,17 @@ def _exact_block(parts: JacobianFactors, p: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _exact_factors(parts: JacobianFactors, p: torch.Tensor) -> list[torch.Tensor]:
+def _exact_factors(
+    block: torch.Tensor, p: torch.Tensor, batch: int
+) -> list[torch.Tensor]:
     """The exact block: ``[H]``, or ``[[B], H / B]`` where ``F0`` is ``1×1``."""
-    block = _exact_block(parts, p)
     if p.dim() == 1:
         return [block]
-    count = torch.full((1, 1), float(parts.batch), dtype=block.dtype, device=p.device)
-    return [count, block / parts.batch]
+    count = torch.full((1, 1), float(batch), dtype=block.dtype, device=p.device)
+    return [count, block / batch]
 
 
-def _nearest_kronecker(parts: JacobianFactors, p: torch.Tensor) -> list[torch.Tensor]:
+def _nearest_kronecker(rows: torch.Tensor, m: int, n: int) -> list[torch.Tensor]:
     """``σ Ĝ ⊗ Â`` nearest to the exact block (Van Loan and Pitsianis, 1993).
 
     With ``ρ_i`` the Jacobian rows as ``(m, n)`` matrices, the rearranged block is
@@ -265,14 +410,19 @@ def _nearest_kronecker(parts: JacobianFactors, p: torch.Tensor) -> list[torch.Te
     ``F0 = σ Ĝ`` sums over the batch, ``F1 = Â`` (unit Frobenius norm) does not
     grow with it.
 
+    Parameters
+    ----------
+    rows : torch.Tensor
+        ``(N, m, n)``: the parameter's Jacobian rows, in any order.
+    m, n : int
+        laplace-torch's factor sizes.
+
     Returns
     -------
     list of torch.Tensor
         ``[σ Ĝ (m, m), Â (n, n)]``, ``Â`` of positive trace.
 
     """
-    m, n = _factor_sizes(p)
-    rows = torch.cat([J.reshape(-1, m, n) for _, J in parameter_blocks(parts, p)])
     # float64 and unit scale: float32 neither reaches the tolerance nor keeps the
     # norms of tiny Jacobians (~1e-13) from underflowing
     scale = rows.abs().max()

@@ -1,0 +1,352 @@
+"""The GGN's diagonal and Kronecker factors on a CIFAR ResNet: time and peak memory.
+
+One run measures, each row in a fresh process: this package's ``DiffBackPackGGN``
+``diag`` and ``kron`` (exact GGN and Monte Carlo), curvlinops'
+``KFACLinearOperator`` (``fisher_type`` ``type-2`` and ``mc``, all batches in one
+operator, ``compute_kronecker_factors``; of the Linear and convolution layers'
+parameters, as it takes no batch norm), and laplace-torch's ``CurvlinopsGGN`` and
+``BackPackGGN`` ``diag`` and ``kron`` where they run, on torchvision's ResNet
+(``BasicBlock``, one per stage, 4.9 million parameters, 10 classes) with batch norm
+(eval mode) and without (``norm_layer=nn.Identity``), and without it for 100
+classes (``resnet-nobn-c100``: 100 rows of the loss Hessian's square root, which
+the engine sends back in chunks), on random 3×32×32 images and labels (seeded):
+by default 256 images in batches of 128. The backends' methods are called once
+per batch, as laplace-torch's ``fit`` calls them (without
+its eigendecompositions).
+
+Per row: seconds of the curvature over all batches, and the peak resident memory
+above the resident memory before them (the high-water mark reset through
+``/proc/self/clear_refs``, Linux), after one warm-up call on two images that keeps
+first-call costs (imports, lazy initialisation) out; each as a ratio to
+curvlinops' ``type-2`` KFAC of the same model. A check number per row says what
+was computed: the sum of the diagonal, or the sum over batches of the traces of
+the Kronecker factors' products (``KFACLinearOperator``: its trace). A row whose
+method fails, runs past ``--timeout`` or would form a Jacobian ``(B, C, P)``
+larger than ``--max-jacobian-gib`` (laplace-torch's ``CurvlinopsGGN.diag``) says
+so instead; each process's address space is capped at ``--memory-limit-gib``, so
+that a row that would exhaust the machine fails instead. Single cold runs.
+
+Run: ``python benchmarks/curvature/curvature_routes.py [--quick] [--threads 2]
+[--n 256] [--batch 128] [--out PATH]``; ``--quick`` runs 4 images in batches of
+2, all rows in one process (timings mean nothing) and writes only where ``--out``
+says. Without ``--quick`` the results go to ``curvature_routes.json`` and
+``CURVATURE_ROUTES.md`` beside this script (Markdown beside any ``--out``);
+``--report-only`` writes the Markdown again from the JSON. laplace-torch's
+``BackPackGGN`` fails on torchvision's ``BasicBlock`` (BackPACK's backward hooks
+and its ``out += identity``), and curvlinops' KFAC takes no batch norm: their rows
+say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+MODELS = ["resnet-nobn", "resnet-bn", "resnet-nobn-c100"]
+#: (method, variant): what each row runs.
+ROWS = [
+    ("DiffBackPackGGN", "diag"),
+    ("DiffBackPackGGN", "kron"),
+    ("DiffBackPackGGN", "diag-mc"),
+    ("DiffBackPackGGN", "kron-mc"),
+    ("KFACLinearOperator", "type-2"),
+    ("KFACLinearOperator", "mc"),
+    ("CurvlinopsGGN", "diag"),
+    ("CurvlinopsGGN", "kron"),
+    ("BackPackGGN", "diag"),
+    ("BackPackGGN", "kron"),
+]
+REFERENCE = ("KFACLinearOperator", "type-2")
+
+
+def classes(model: str) -> int:
+    """Outputs of ``model``: 100 for ``-c100``, else 10."""
+    return 100 if model.endswith("-c100") else 10
+
+
+def build(model: str):
+    """torchvision's ResNet (one ``BasicBlock`` per stage), seeded, eval mode."""
+    import torch
+    from torch import nn
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    norm = nn.BatchNorm2d if model == "resnet-bn" else nn.Identity
+    net = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=classes(model), norm_layer=norm)
+    if model == "resnet-bn":  # running statistics away from their initial values
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_(0, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+def batches(n: int, batch: int, n_classes: int) -> list:
+    """Seeded random images ``(batch, 3, 32, 32)`` and labels."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 3, 32, 32, generator=gen)
+    y = torch.randint(0, n_classes, (n,), generator=gen)
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, n, batch)]
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    Path("/proc/self/clear_refs").write_text("5")
+    return _rss_kib("VmRSS")
+
+
+def _runner(method: str, variant: str, model, n: int):
+    """A function of the batches that computes the row's curvature, and its check."""
+    from torch import nn
+
+    if method == "KFACLinearOperator":
+        from curvlinops import KFACLinearOperator
+
+        loss = nn.CrossEntropyLoss(reduction="sum")
+        params = _kfac_params(model)
+
+        def kfac(data: list) -> float:
+            op = KFACLinearOperator(
+                model, loss, params, data, fisher_type=variant,
+                check_deterministic=False, num_data=sum(len(y) for _, y in data),
+            )  # fmt: skip
+            op.compute_kronecker_factors()
+            return float(op.trace)
+
+        return kfac
+    backend = _backend(method, variant, model)
+    structure = variant.split("-")[0]
+
+    def curvature(data: list) -> float:
+        check = 0.0
+        for x, y in data:
+            if structure == "diag":
+                _, H = backend.diag(x, y)
+                check += float(H.sum())
+            else:
+                _, K = backend.kron(x, y, N=n)
+                check += float(K.diag().sum())
+        return check
+
+    return curvature
+
+
+def _kfac_params(model) -> list:
+    """The parameters of the layers curvlinops' KFAC takes (not batch norm's)."""
+    from torch import nn
+
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    return [p for m in layers for p in m.parameters(recurse=False)]
+
+
+def _backend(method: str, variant: str, model):
+    stochastic = variant.endswith("-mc")
+    if method == "DiffBackPackGGN":
+        from laplace_diffjac import DiffBackPackGGN
+
+        return DiffBackPackGGN(model, "classification", stochastic=stochastic)
+    from laplace import curvature as lc
+
+    return getattr(lc, method)(model, "classification", stochastic=stochastic)
+
+
+def measure(cfg: dict) -> dict:
+    """One row in this process."""
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    model = build(cfg["model"])
+    data = batches(cfg["n"], cfg["batch"], classes(cfg["model"]))
+    row = {k: cfg[k] for k in ("model", "method", "variant")}
+    n_params = sum(p.numel() for p in model.parameters())
+    row["n_params"] = n_params
+    if cfg["method"] == "KFACLinearOperator":
+        row["n_params_curvature"] = sum(p.numel() for p in _kfac_params(model))
+    if (cfg["method"], cfg["variant"]) == ("CurvlinopsGGN", "diag"):
+        gib = cfg["batch"] * classes(cfg["model"]) * n_params * 4 / 2**30
+        if gib > cfg["max_jacobian_gib"]:
+            row["skipped"] = (
+                f"laplace-torch's GGNInterface.diag forms J (B, C, P): {gib:.1f} GiB "
+                f"per batch, above --max-jacobian-gib {cfg['max_jacobian_gib']}"
+            )
+            return row
+    try:
+        run = _runner(cfg["method"], cfg["variant"], model, cfg["n"])
+        run([(x[:2], y[:2]) for x, y in data[:1]])  # warm-up
+        base = _reset_peak()
+        start = time.perf_counter()
+        row["check"] = run(data)
+        row["seconds"] = time.perf_counter() - start
+        row["peak_gib"] = max(_rss_kib("VmHWM") - base, 0) / 2**20
+    except Exception as exc:  # noqa: BLE001 (a failure is a result)
+        lines = str(exc).strip().splitlines()
+        frames = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
+        where = (frames[-1] if frames else "").split("site-packages/")[-1]
+        row["error"] = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+        row["where"] = where
+    return row
+
+
+def _in_fresh_process(cfg: dict, timeout: float) -> dict:
+    """``measure(cfg)`` in a new interpreter (``--worker``), with its own limits."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
+    env["MKL_NUM_THREADS"] = str(cfg["threads"])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+    cmd += ["--memory-limit-gib", str(cfg["memory_limit_gib"])]
+    row = {k: cfg[k] for k in ("model", "method", "variant")}
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        return dict(row, error=f"timeout: past {timeout:.0f} s")
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or [""])[-1]
+        return dict(row, error=f"process exited {proc.returncode}: {tail}"[:300])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _with_ratios(rows: list[dict]) -> list[dict]:
+    """Time and peak as ratios to curvlinops' type-2 KFAC of the same model."""
+    for row in rows:
+        ref = next(
+            (
+                r
+                for r in rows
+                if r["model"] == row["model"]
+                and (r["method"], r["variant"]) == REFERENCE
+                and "seconds" in r
+            ),
+            None,
+        )
+        if ref is not None and "seconds" in row:
+            row["time_ratio"] = row["seconds"] / ref["seconds"]
+            row["peak_minus_reference_gib"] = row["peak_gib"] - ref["peak_gib"]
+    return rows
+
+
+def report(results: dict) -> str:
+    """The Markdown tables of ``results``."""
+    env = results["environment"]
+    lines = [
+        "# The GGN's diagonal and Kronecker factors on a CIFAR ResNet",
+        "",
+        f"Generated by `{results['command']}`: {env['n']} images in batches of "
+        f"{env['batch']}, {env['threads']} thread(s), torch {env['torch']}, "
+        f"{env['machine']}. Each row a fresh process, a single cold run after a "
+        "warm-up on two images; peak: resident memory above its value before the "
+        "curvature. Ratios to curvlinops' `KFACLinearOperator(fisher_type='type-2')`"
+        " of the same model.",
+    ]
+    for model in MODELS:
+        if not any(r["model"] == model for r in results["rows"]):
+            continue
+        lines += ["", f"## {model}", ""]
+        lines += [
+            "| method | variant | s | peak GiB | time / KFAC | peak − KFAC's (GiB) "
+            "| check |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in results["rows"]:
+            if r["model"] != model:
+                continue
+            if "seconds" not in r:
+                why = r.get("skipped") or r.get("error", "")
+                why = why if len(why) <= 120 else why[:119] + "…"
+                lines.append(
+                    f"| {r['method']} | {r['variant']} | – | – | – | – | {why} |"
+                )
+                continue
+            lines.append(
+                f"| {r['method']} | {r['variant']} | {r['seconds']:.2f} | "
+                f"{r['peak_gib']:.2f} | {r.get('time_ratio', float('nan')):.2f} | "
+                f"{r.get('peak_minus_reference_gib', float('nan')):+.2f} | "
+                f"{r['check']:.6g} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the options, run every row, write the JSON and the report."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--max-jacobian-gib", type=float, default=4.0)
+    parser.add_argument("--memory-limit-gib", type=float, default=16.0)
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.report_only:
+        out = args.out or HERE / "curvature_routes.json"
+        report_text = report(json.loads(out.read_text()))
+        (out.parent / "CURVATURE_ROUTES.md").write_text(report_text)
+        return
+    if args.worker:  # a row that would exhaust the machine fails instead
+        limit = int(args.memory_limit_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        print(json.dumps(measure(json.loads(args.worker))))
+        return
+    n, batch = (4, 2) if args.quick else (args.n, args.batch)
+    configs = [
+        dict(
+            model=m,
+            method=method,
+            variant=variant,
+            n=n,
+            batch=batch,
+            threads=args.threads,
+            max_jacobian_gib=args.max_jacobian_gib,
+            memory_limit_gib=args.memory_limit_gib,
+        )  # fmt: skip
+        for m in args.models
+        for method, variant in ROWS
+    ]
+    rows = []
+    for cfg in configs:
+        row = measure(cfg) if args.quick else _in_fresh_process(cfg, args.timeout)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    import torch
+
+    results = {
+        "command": " ".join(["python", "benchmarks/curvature/curvature_routes.py"]
+                            + (argv if argv is not None else sys.argv[1:])),
+        "environment": {
+            "n": n, "batch": batch, "threads": args.threads,
+            "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(),
+        },
+        "rows": _with_ratios(rows),
+    }  # fmt: skip
+    if args.quick and args.out is None:
+        return
+    out = args.out or HERE / "curvature_routes.json"
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    (out.parent / "CURVATURE_ROUTES.md").write_text(report(results))
+
+
+if __name__ == "__main__":
+    main()

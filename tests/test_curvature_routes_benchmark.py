@@ -1,0 +1,86 @@
+"""``benchmarks/curvature/``'s scripts in their quick modes.
+
+``curvature_routes.py``: every row of the three ResNets, numbers or how the
+method failed, the report written, and ``DiffBackPackGGN``'s diagonal equal to
+laplace-torch's ``CurvlinopsGGN`` one (the same GGN, from its Jacobians) where
+that runs. ``profile_phases.py``: every phase printed, the phases within the
+total.
+
+No timing is asserted: quick-mode timings are single cold runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "benchmarks/curvature/curvature_routes.py"
+MODELS = ["resnet-nobn", "resnet-bn", "resnet-nobn-c100"]
+METHODS = ["DiffBackPackGGN", "KFACLinearOperator", "CurvlinopsGGN", "BackPackGGN"]
+
+
+@pytest.mark.slow
+def test_quick_curvature_routes_rows_report_and_agreement(tmp_path: Path) -> None:
+    out = tmp_path / "curvature.json"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--threads", "1", "--out", str(out)]
+        + ["--max-jacobian-gib", "0.5"],  # CurvlinopsGGN.diag's J: 10 classes only
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    assert {(r["model"], r["method"]) for r in rows} == {
+        (m, method) for m in MODELS for method in METHODS
+    }
+    for r in rows:
+        if "error" in r:  # a failure is a result: its type and first line
+            assert r["error"].split(":")[0].isidentifier(), r
+        elif "skipped" not in r:
+            assert r["seconds"] > 0 and r["peak_gib"] >= 0 and r["check"] > 0, r
+    ours = [r for r in rows if r["method"] == "DiffBackPackGGN"]
+    assert len(ours) == 12 and all("seconds" in r for r in ours), ours
+    kfac = next(
+        r
+        for r in rows
+        if (r["model"], r["method"], r["variant"])
+        == ("resnet-nobn", "KFACLinearOperator", "type-2")
+    )
+    assert kfac["time_ratio"] == 1.0
+    for model in MODELS:
+        by = {(r["method"], r["variant"]): r for r in rows if r["model"] == model}
+        theirs = by[("CurvlinopsGGN", "diag")]
+        if "check" in theirs:
+            mine = by[("DiffBackPackGGN", "diag")]["check"]
+            assert abs(mine - theirs["check"]) <= 1e-4 * abs(theirs["check"])
+    report = (tmp_path / "CURVATURE_ROUTES.md").read_text()
+    assert all(f"## {model}\n" in report for model in MODELS)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_quick_profile_prints_every_phase(structure: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/curvature/profile_phases.py", "--quick"]
+        + ["--structure", structure, "--threads", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in proc.stdout.splitlines()[1:]
+    }
+    assert set(values) == {"forward", "backward", "rules", "sums", "total", "peak_gib"}
+    assert all(values[p] > 0 for p in ("forward", "backward", "rules", "sums"))
+    assert values["total"] >= values["backward"] + values["sums"]
