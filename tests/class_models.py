@@ -88,6 +88,24 @@ class NormMLP(nn.Module):
         return self.out(torch.tanh(self.norm(self.inp(x))))
 
 
+class PlainBlock(nn.Module):
+    """A ResNet ``BasicBlock`` without batch norm: two 3×3 convolutions, a 1×1
+    shortcut where the stride is not 1, ``out += identity`` and in-place ReLUs."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = nn.Conv2d(c_in, c_out, 1, stride) if stride > 1 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.down is None else self.down(x)
+        out = self.conv2(self.relu(self.conv1(x)))
+        out += identity
+        return self.relu(out)
+
+
 def _floats(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).double()
 

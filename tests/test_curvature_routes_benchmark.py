@@ -12,14 +12,14 @@ No timing is asserted: quick-mode timings are single cold runs.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = "benchmarks/curvature/curvature_routes.py"
+from tests.scripts import ROOT, run_script
+
+SCRIPT = ROOT / "benchmarks/curvature/curvature_routes.py"
+PROFILE = ROOT / "benchmarks/curvature/profile_phases.py"
 MODELS = ["resnet-nobn", "resnet-bn", "resnet-nobn-c100"]
 METHODS = ["DiffBackPackGGN", "KFACLinearOperator", "CurvlinopsGGN", "BackPackGGN"]
 
@@ -27,16 +27,10 @@ METHODS = ["DiffBackPackGGN", "KFACLinearOperator", "CurvlinopsGGN", "BackPackGG
 @pytest.mark.slow
 def test_quick_curvature_routes_rows_report_and_agreement(tmp_path: Path) -> None:
     out = tmp_path / "curvature.json"
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--quick", "--threads", "1", "--out", str(out)]
-        + ["--max-jacobian-gib", "0.5"],  # CurvlinopsGGN.diag's J: 10 classes only
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_script(
+        SCRIPT, "--quick", "--threads", "1", "--out", str(out),
+        "--max-jacobian-gib", "0.5",  # CurvlinopsGGN.diag's J: 10 classes only
+    )  # fmt: skip
     results = json.loads(out.read_text())
     rows = results["rows"]
     assert {(r["model"], r["method"]) for r in rows} == {
@@ -68,18 +62,10 @@ def test_quick_curvature_routes_rows_report_and_agreement(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("structure", ["diag", "kron"])
 def test_quick_profile_prints_every_phase(structure: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/curvature/profile_phases.py", "--quick"]
-        + ["--structure", structure, "--threads", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    stdout = run_script(PROFILE, "--quick", "--structure", structure, "--threads", "1")
     values = {
-        line.split()[0]: float(line.split()[1]) for line in proc.stdout.splitlines()[1:]
+        name: float(value)
+        for name, value, *_ in (line.split() for line in stdout.splitlines()[1:])
     }
     assert set(values) == {"forward", "backward", "rules", "sums", "total", "peak_gib"}
     assert all(values[p] > 0 for p in ("forward", "backward", "rules", "sums"))

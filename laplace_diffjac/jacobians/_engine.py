@@ -43,6 +43,7 @@ from ._derivatives import (
 from ._elementary import rewritten_modules
 from ._forward import recorded_forward
 from ._inputs import batch_size, check_model_output, detached
+from ._layer_calls import LayerCall
 from ._model_guard import preserved_state
 from ._warnings import quiet_batching_fallbacks, quiet_full_backward_hook_warning
 
@@ -208,15 +209,10 @@ def jacobian_factors(
 
     """
     root = model if root is None else root
-    modules = owning_modules(root, params)
     batch = batch_size(x)
     x_in = x if enable_backprop else detached(x)
     with preserved_state(model), torch.enable_grad():
-        rewritten = rewritten_modules(model, modules)
-        calls, f = recorded_forward(model, x_in, modules, rewritten, batch)
-        f = check_model_output(f, batch)
-        check_batch_first(calls, batch, root)
-        f2 = f if f.dim() == 2 else f.unsqueeze(1)
+        calls, f, f2 = _checked_forward(model, x_in, root, params, batch)
         signals = _output_signals(f2, selected_outputs)
         targets = [c.signal_targets() for c in calls]
         with (
@@ -282,14 +278,9 @@ def row_chunked_factors(
 
     """
     root = model if root is None else root
-    modules = owning_modules(root, params)
     batch = batch_size(x)
     with preserved_state(model), torch.enable_grad():
-        rewritten = rewritten_modules(model, modules)
-        calls, f = recorded_forward(model, detached(x), modules, rewritten, batch)
-        f = check_model_output(f, batch)
-        check_batch_first(calls, batch, root)
-        f2 = f if f.dim() == 2 else f.unsqueeze(1)
+        calls, f, f2 = _checked_forward(model, detached(x), root, params, batch)
         signals = seeds(f2.detach())
         targets = [c.signal_targets() for c in calls]
         flat_targets = [t for ts in targets for t in ts]
@@ -308,6 +299,37 @@ def row_chunked_factors(
             consume(parts.detach())
             del parts
     return f.detach()
+
+
+def _checked_forward(
+    model: nn.Module,
+    x: torch.Tensor | Mapping,
+    root: nn.Module,
+    params: Sequence[torch.Tensor],
+    batch: int,
+) -> tuple[list[LayerCall], torch.Tensor, torch.Tensor]:
+    """Step 1: the recorded forward pass, its output and calls checked.
+
+    Runs inside the caller's :func:`.model_guard.preserved_state` with gradients
+    enabled; the modules owning ``params`` run in their elementary forms where
+    their fused kernels differentiate wrongly (:mod:`._elementary`).
+
+    Returns
+    -------
+    calls : list
+        The recorded module calls (:mod:`._layer_calls`).
+    f : torch.Tensor
+        The model output, ``(batch, C)`` or ``(batch,)``.
+    f2 : torch.Tensor
+        ``f`` as ``(batch, C)``.
+
+    """
+    modules = owning_modules(root, params)
+    rewritten = rewritten_modules(model, modules)
+    calls, f = recorded_forward(model, x, modules, rewritten, batch)
+    f = check_model_output(f, batch)
+    check_batch_first(calls, batch, root)
+    return calls, f, f if f.dim() == 2 else f.unsqueeze(1)
 
 
 def parameter_jacobians(

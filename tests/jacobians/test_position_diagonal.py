@@ -21,28 +21,11 @@ from torch import nn
 from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN
 from laplace_diffjac.jacobians import _factor_products, _position_diagonal
 from laplace_diffjac.jacobians._engine import jacobian_factors
-from tests.class_models import built
+from tests.class_models import PlainBlock, built
 from tests.curvature_references import ef_diagonal, exact_ggn
 
 ROUTES = ["rows", "gram", "chosen"]
 LIKELIHOODS = ["classification", "regression"]
-
-
-class _Block(nn.Module):
-    """A ``BasicBlock`` without batch norm: two 3×3 convolutions and a shortcut."""
-
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.relu = nn.ReLU(inplace=True)
-        self.down = nn.Conv2d(c_in, c_out, 1, stride) if stride > 1 else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.down is None else self.down(x)
-        out = self.conv2(self.relu(self.conv1(x)))
-        out += identity
-        return self.relu(out)
 
 
 def _resnet() -> nn.Module:
@@ -51,10 +34,10 @@ def _resnet() -> nn.Module:
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3, 1, 1),
         nn.ReLU(),
-        _Block(4, 4, 1),
-        _Block(4, 5, 2),
-        _Block(5, 6, 2),
-        _Block(6, 6, 2),
+        PlainBlock(4, 4, 1),
+        PlainBlock(4, 5, 2),
+        PlainBlock(5, 6, 2),
+        PlainBlock(6, 6, 2),
         nn.Flatten(),
         nn.Linear(6, 3),
     )

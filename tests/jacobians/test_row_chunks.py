@@ -20,26 +20,10 @@ from torch import nn
 from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN
 from laplace_diffjac.jacobians import _engine
 from laplace_diffjac.jacobians._engine import row_chunked_factors
-from tests.class_models import MODELS, built
+from tests.class_models import MODELS, PlainBlock, built
 from tests.curvature_references import assert_kron_close, kron_reference
 
 LIKELIHOODS = ["classification", "regression"]
-
-
-class _Block(nn.Module):
-    """A ``BasicBlock`` without batch norm, ``out += identity``."""
-
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.down = nn.Conv2d(c_in, c_out, 1, stride) if stride > 1 else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.down is None else self.down(x)
-        out = self.conv2(torch.relu(self.conv1(x)))
-        out += identity
-        return torch.relu(out)
 
 
 class _Scale(nn.Module):
@@ -65,7 +49,7 @@ def _case(name: str, n: int = 5) -> tuple[nn.Module, object]:
     if name == "resnet":
         torch.manual_seed(0)
         model = nn.Sequential(
-            nn.Conv2d(3, 4, 3, 1, 1), _Block(4, 4, 1), _Block(4, 5, 2),
+            nn.Conv2d(3, 4, 3, 1, 1), PlainBlock(4, 4, 1), PlainBlock(4, 5, 2),
             nn.Flatten(), nn.Linear(5 * 9, 3),
         )  # fmt: skip
         gen = torch.Generator().manual_seed(1)
