@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -290,3 +291,17 @@ def assembled_widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     for module in (_engine, _factor_gram, _factor_products):
         monkeypatch.setattr(module, "assemble", counting)
     return widths
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (the README's ``-n 2``), each worker's torch computes on
+    its share of the cores, so that the workers do not oversubscribe them."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, _cores() // int(workers)))

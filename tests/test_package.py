@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import laplace
+import torch
 from laplace.baselaplace import BaseLaplace
 
 import laplace_diffjac
@@ -113,3 +114,20 @@ def test_the_license_is_at_the_root_and_in_the_installed_metadata():
     files = importlib.metadata.distribution("laplace-diffjac").files or []
     licenses = [f for f in files if f.name == "LICENSE"]
     assert licenses and licenses[0].read_text() == text
+
+
+def test_each_xdist_worker_gives_torch_its_share_of_the_cores(monkeypatch):
+    """The README's ``-n 2``: each worker computes on cores // workers threads."""
+    from tests import conftest
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        monkeypatch.setattr(conftest, "_cores", lambda: 5)
+        conftest.pytest_configure(None)  # type: ignore[arg-type]
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "8")
+        conftest.pytest_configure(None)  # type: ignore[arg-type]
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -65,7 +65,7 @@ def test_readme_commands_are_the_ones_ci_runs():
     main = readme_block("main-command").strip()
     test = readme_block("test-command").strip()
     assert main.endswith("python -m laplace_diffjac")
-    assert 'pip install -e ".[test]"' in test and test.endswith("python -m pytest")
+    assert 'pip install -e ".[test]"' in test and test.endswith("python -m pytest -n 2")
     ci = (README.parent / ".ci" / "run").read_text()
     assert "test-command" in ci
     # the README command runs first in its fresh environment: no pip install before it
