@@ -2,8 +2,8 @@
 
 The notebooks run in a kernel on the current interpreter (a kernelspec in a temporary
 directory, see ``notebooks/execute.py``), so this works in a fresh ``pip install -e
-.[test]`` environment. Warnings inside the kernel are the notebooks' business; this
-process only checks that every cell, the final assertions included, succeeds.
+.[test]`` environment. This process checks that every cell, the final assertions
+included, succeeds, and that no cell writes a warning to stderr.
 """
 
 from __future__ import annotations
@@ -53,3 +53,12 @@ def test_notebook_runs_at_smoke_size(path: Path, kernel_name: str) -> None:
         if out.get("output_type") == "error"
     ]
     assert not errors
+    # a quiet kernel: no warning on stderr, laplace-torch's import-time ones included
+    stderr = [
+        "".join(out["text"])
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "stream" and out.get("name") == "stderr"
+    ]
+    assert not [text for text in stderr if "warn" in text.lower()], stderr
