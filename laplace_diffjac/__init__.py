@@ -21,6 +21,7 @@ The subpackages are the layers, each importing only those above it in this list:
 """
 
 from .backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
+from .budget import memory_budget, set_memory_budget
 from .context import (
     ContextPosterior,
     LocationResult,
@@ -30,7 +31,7 @@ from .context import (
     optimize_locations,
 )
 from .data import TrainingData
-from .errors import InvalidInputError, UnsupportedModuleError
+from .errors import InvalidInputError, MemoryBudgetError, UnsupportedModuleError
 from .kernels import ntk, ntk_diag
 from .laplace_integration import (
     LocationFunctionalLaplace,
@@ -49,16 +50,19 @@ __all__ = [
     "LocationFunctionalLaplace",
     "LocationResult",
     "LocationSettings",
+    "MemoryBudgetError",
     "TrainingData",
     "UnsupportedModuleError",
     "evidence_loss_backward",
     "functional_laplace_on_locations",
+    "memory_budget",
     "ntk",
     "ntk_diag",
     "nystrom_gap",
     "optimize_locations",
     "patch_laplace",
     "register",
+    "set_memory_budget",
     "unregister",
 ]
 __version__ = "0.1.0"

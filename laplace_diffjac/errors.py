@@ -13,3 +13,11 @@ class UnsupportedModuleError(TypeError):
 
 class InvalidInputError(ValueError):
     """The input batch cannot be used with this backend or model."""
+
+
+class MemoryBudgetError(MemoryError):
+    """A request does not fit the working-memory budget even in its smallest chunk.
+
+    Raised before any chunk is computed (:mod:`laplace_diffjac.budget`); the message
+    names the budget, what the request needs and what would fit.
+    """

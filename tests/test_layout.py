@@ -61,6 +61,12 @@ SUBPACKAGE_NAMES = {
     "laplace_diffjac.bayesopt": ["ContextBoTorch", "RetrainSchedule"],
     "laplace_diffjac.examples": ["make_moons", "train_mlp", "run_demo"],
     "laplace_diffjac.examples.plotting": ["plot"],
+    "laplace_diffjac.budget": [
+        "set_memory_budget",
+        "memory_budget",
+        "get_memory_budget",
+        "MemoryBudgetError",
+    ],
     "laplace_diffjac.memory": [
         "keep_freed_memory",
         "start_keeping_freed_memory",

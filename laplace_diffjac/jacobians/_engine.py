@@ -124,6 +124,25 @@ class JacobianFactors:
             if isinstance(t, torch.Tensor)
         )
 
+    def float_tensors(self) -> list[torch.Tensor]:
+        """The factors' floating tensors, in the order :meth:`with_tensors` takes."""
+        return [
+            value
+            for entries in self.factors.values()
+            for entry in entries
+            for value in vars(entry).values()
+            if isinstance(value, torch.Tensor) and value.is_floating_point()
+        ]
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> JacobianFactors:
+        """The same factors with :meth:`float_tensors` replaced by ``tensors``."""
+        supply = iter(tensors)
+        factors = {
+            key: [_mapped(e, lambda _: next(supply)) for e in entries]
+            for key, entries in self.factors.items()
+        }
+        return JacobianFactors(factors, self.f, self.n_rows, self.batch)
+
     def detach(self) -> JacobianFactors:
         """The same factors, cut from the graph."""
         factors = {

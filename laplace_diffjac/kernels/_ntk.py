@@ -30,8 +30,20 @@ from typing import Any, Protocol, Union, runtime_checkable
 
 import torch
 
-from ..backends import JacobianBackend
+from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN, JacobianBackend
+from ..budget import get_memory_budget
+from ..errors import MemoryBudgetError
 from ..jacobians._engine import JacobianFactors
+from ._budgeted import (
+    Costs,
+    Route,
+    batch_of,
+    budgeted_diagonal,
+    budgeted_gram,
+    plan_diagonal,
+    plan_gram,
+    probe,
+)
 from ._factor_gram import factor_gram
 from ._structured import structured_ntk, supports_structured_ntk
 
@@ -295,8 +307,11 @@ def ntk(
         Scalar or per-parameter ``(P,)`` prior precision; ``Σ₀`` is its inverse.
     chunk_size : int, default=256
         At most this many inputs of ``x1`` and of ``x2`` have their Jacobians
-        materialised at once (``2 * chunk_size * C * P`` numbers). Under autograd
-        the graph keeps the blocks' Jacobians for the backward pass.
+        (or per-layer factors) materialised at once. The memory budget
+        (:mod:`laplace_diffjac.budget`) may take fewer: when the features of all
+        inputs, with the graph a gradient needs, do not fit it, the Gram is built
+        in row chunks that do, and its backward pass recomputes them chunk by
+        chunk (differentiable once).
     structured : bool, optional
         ``None`` uses :func:`laplace_diffjac.kernels.structured_ntk` when it
         applies and falls back otherwise; ``False`` always uses Jacobians; ``True``
@@ -316,6 +331,9 @@ def ntk(
     ValueError
         If ``structured=True`` but the structured route does not apply, or the
         prior precision has the wrong size.
+    MemoryBudgetError
+        If one input per chunk does not fit the memory budget, before any chunk
+        is computed.
 
     """
     if chunk_size < 1:
@@ -338,6 +356,21 @@ def ntk(
             "or DiffBackPackEF over all parameters (not last-layer or subnetwork), "
             "or an nn.Sequential chain of Linear layers and elementwise activations "
             "with a scalar prior. Pass structured=None to fall back to Jacobians."
+        )
+    features = _budget_route(backend, use_factors, dtype)
+    grad = _gradient_possible(features, prior_var, x1, x2)
+    device = _param_device(backend)
+    plan = plan_gram(
+        _costs(backend, features, x1, prior_var, use_factors, dtype),
+        (batch_of(x1), batch_of(x2)),
+        symmetric,
+        grad,
+        get_memory_budget(device),
+        chunk_size,
+    )
+    if plan.chunked:
+        return budgeted_gram(
+            features, plan, x1, None if symmetric else x2, prior_var, grad
         )
     if route is not None:
         return _blocks(x1, x2, chunk_size, route, dtype)
@@ -380,7 +413,8 @@ def ntk_diag(
     prior_precision : float or torch.Tensor, default=1.0
         Scalar or per-parameter ``(P,)``.
     chunk_size : int, default=256
-        Inputs whose Jacobians are materialised at once.
+        Inputs whose Jacobians are materialised at once; fewer if the memory
+        budget asks for it, as for :func:`ntk`.
     dtype : torch.dtype, optional
         Contraction dtype, as for :func:`ntk`.
 
@@ -388,6 +422,12 @@ def ntk_diag(
     -------
     torch.Tensor
         ``(B, C, C)``.
+
+    Raises
+    ------
+    MemoryBudgetError
+        If one input does not fit the memory budget, or a gradient may be asked
+        for dict inputs that do not fit it in one piece.
 
     """
     prior_var = prior_variance(
@@ -397,7 +437,37 @@ def ntk_diag(
             (), device=_param_device(backend), dtype=dtype or _param_dtype(backend)
         ),
     )
-    if factor_route_applies(backend):
+    use_factors = factor_route_applies(backend)
+    features = _budget_route(backend, use_factors, dtype)
+    grad = _gradient_possible(features, prior_var, x)
+    device = _param_device(backend)
+    plan = plan_diagonal(
+        _costs(backend, features, x, prior_var, use_factors, dtype),
+        batch_of(x),
+        grad,
+        get_memory_budget(device),
+        chunk_size,
+    )
+    if plan.chunked:
+        if grad and not isinstance(x, torch.Tensor):
+            raise MemoryBudgetError(
+                "ntk_diag of these inputs does not fit the memory budget in one "
+                "piece with its graph, and dict inputs cannot be recomputed in "
+                "chunks for a gradient. Compute it under torch.no_grad(), pass a "
+                "smaller batch, or raise the budget "
+                "(laplace_diffjac.set_memory_budget)."
+            )
+        if not grad:
+            with torch.no_grad():
+                return _cat(
+                    [
+                        features.pair(features.features(xc), None, prior_var)
+                        for xc in _chunks(x, plan.chunk)
+                    ],
+                    dim=0,
+                )
+        return budgeted_diagonal(features, plan, x, prior_var)
+    if use_factors:
         factors = _factors_of(backend, dtype)
         params = list(backend.params)
         parts = [
@@ -484,3 +554,97 @@ def _param_dtype(backend: JacobianBackend) -> torch.dtype:
 
 def _param_device(backend: JacobianBackend) -> torch.device:
     return next(iter(backend.model.parameters())).device
+
+
+def _budget_route(
+    backend: JacobianBackend, use_factors: bool, dtype: torch.dtype | None
+) -> Route:
+    """The features the memory budget chunks: per-layer factors, or Jacobians."""
+    params = list(backend.params)
+    if use_factors:
+        factors = _factors_of(backend, dtype)
+
+        def factor_pair(
+            f1: JacobianFactors, f2: JacobianFactors | None, var: torch.Tensor
+        ) -> torch.Tensor:
+            return factor_gram(f1, f2, params, var)
+
+        return Route(
+            features=factors,
+            pair=factor_pair,
+            tensors=lambda f: f.float_tensors(),
+            rebuild=lambda f, tensors: f.with_tensors(tensors),
+            take=lambda f, where: f[where],
+            exclude=params,
+            params=params,
+        )
+    jac = _jacobian_fn(backend)
+
+    def jacobians_in(x: torch.Tensor) -> torch.Tensor:
+        J = jac(x)
+        return J if dtype is None else J.to(dtype)
+
+    def jacobian_pair(
+        J1: torch.Tensor, J2: torch.Tensor | None, var: torch.Tensor
+    ) -> torch.Tensor:
+        if J2 is None:
+            return torch.einsum("bcp,bep->bce", J1 * var, J1)
+        return gram(J1, J2, var)
+
+    return Route(
+        features=jacobians_in,
+        pair=jacobian_pair,
+        tensors=lambda J: [J],
+        rebuild=lambda J, tensors: tensors[0],
+        take=lambda J, where: J[where],
+        exclude=list(backend.model.parameters()),
+        params=params,
+    )
+
+
+def _gradient_possible(route: Route, prior_var: torch.Tensor, *xs: Any) -> bool:
+    """Whether a gradient of the Gram may be asked for: a graph must be kept."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors: list[torch.Tensor] = [prior_var, *route.params]
+    for x in xs:
+        if x is None:
+            continue
+        tensors.extend(x.values() if isinstance(x, Mapping) else [x])
+    return any(t.requires_grad for t in tensors)
+
+
+#: The attribute under which this package's backends keep their probes' costs.
+_COSTS_ATTRIBUTE = "_laplace_diffjac_memory_costs"
+
+
+def _costs(
+    backend: JacobianBackend,
+    route: Route,
+    x: Any,
+    prior_var: torch.Tensor,
+    use_factors: bool,
+    dtype: torch.dtype | None,
+) -> Costs:
+    """The probe's costs, measured once per input layout on this package's backends.
+
+    What a probe measures depends on the model, the route and the inputs' shape
+    and dtype, never on their values, so a backend of this package keeps it (an
+    attribute of the backend, never of the model) and later calls skip the probe's
+    two small passes. Other backends are probed at every call.
+
+    Returns
+    -------
+    Costs
+        As :func:`._budgeted.probe` measures them.
+    """
+    if not isinstance(backend, (DiffBackPackGGN, DiffBackPackEF, DiffFuncGGN)):
+        return probe(route, x, prior_var)
+    items = sorted(x.items()) if isinstance(x, Mapping) else [("", x)]
+    layout = tuple((k, tuple(v.shape[1:]), v.dtype, v.device) for k, v in items)
+    key = (use_factors, dtype, layout, tuple(prior_var.shape), prior_var.dtype)
+    known: dict = getattr(backend, _COSTS_ATTRIBUTE, None) or {}
+    setattr(backend, _COSTS_ATTRIBUTE, known)
+    if key not in known:
+        known[key] = probe(route, x, prior_var)
+    return known[key]

@@ -1,0 +1,245 @@
+"""``ntk(x, x)`` + d/dx on a CIFAR ResNet, with and without a memory budget.
+
+The step a location optimiser waits for: the Gram of a batch of images and the
+gradient of ``Σ K²`` in the images, on torchvision's ResNet with one
+``BasicBlock`` per stage, no batch norm, 10 classes (``P`` = 4.9 M), random
+3 × 32 × 32 images. Rows:
+
+* ``factors``: ``DiffBackPackGGN``'s per-layer factor route (the default);
+* ``jacobians``: ``ntk(..., structured=False)``, forming ``J`` (B·C·P);
+
+each under the default budget (2 GiB on a CPU), a budget of 512 MiB, and no
+budget (1 TiB: everything at once, as before the budget existed). Each row runs in
+a fresh process; ``peak GiB`` is the resident memory above its value before the
+step (``VmHWM`` after ``clear_refs``), ``s`` a single cold run after a warm-up on
+two images. ``rel. diff`` compares each row's Gram and gradient with the
+unbudgeted factor route's: the budget changes memory and time only.
+
+Run: ``python benchmarks/jacobians/ntk_budget.py [--batch 32 64] [--threads 2]
+[--out FILE.json] [--markdown FILE.md]``; ``--quick`` is the tests' smoke size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+
+ROUTES = ["factors", "jacobians"]
+#: The budgets of the rows: the CPU default, a small one, none (1 TiB).
+BUDGETS = ["default", "512 MiB", "none"]
+#: ``--quick``: a small budget that still chunks the smoke-size model's Gram.
+QUICK_BUDGET = "320 KiB"
+
+
+def build(quick: bool):
+    """The ResNet (or, ``quick``, a two-stage one with 16 channels), seeded."""
+    import torch
+    from torch import nn
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    if quick:
+        net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 10),
+        )
+        return net.eval()
+    return ResNet(
+        BasicBlock, [1, 1, 1, 1], num_classes=10, norm_layer=nn.Identity
+    ).eval()
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    Path("/proc/self/clear_refs").write_text("5")
+    return _rss_kib("VmRSS")
+
+
+def measure(cfg: dict) -> dict:
+    """One row in this process: seconds, added peak, the Gram and gradient."""
+    import torch
+
+    from laplace_diffjac import DiffBackPackGGN, ntk
+    from laplace_diffjac.budget import memory_budget
+
+    torch.set_num_threads(cfg["threads"])
+    model = build(cfg["quick"])
+    gen = torch.Generator().manual_seed(1)
+    size = 8 if cfg["quick"] else 32
+    x = torch.randn(cfg["batch"], 3, size, size, generator=gen)
+    backend = DiffBackPackGGN(model, "classification")
+    structured = None if cfg["route"] == "factors" else False
+    budget = {"default": None, "none": "1 TiB"}.get(cfg["budget"], cfg["budget"])
+
+    def step(inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = inputs.clone().requires_grad_()
+        with memory_budget(budget):
+            K = ntk(backend, inputs, structured=structured)
+        (g,) = torch.autograd.grad((K**2).sum(), inputs)
+        return K.detach(), g
+
+    row = {k: cfg[k] for k in ("route", "budget", "batch")}
+    row["n_params"] = sum(p.numel() for p in model.parameters())
+    try:
+        step(x[:2])
+        base = _reset_peak()
+        start = time.perf_counter()
+        K, g = step(x)
+        row["seconds"] = time.perf_counter() - start
+        row["peak_gib"] = max(_rss_kib("VmHWM") - base, 0) / 2**20
+        torch.save({"K": K, "g": g}, cfg["result"])
+    except Exception as exc:  # noqa: BLE001 (a failure is a result)
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:300]
+    return row
+
+
+def _fresh(cfg: dict, timeout: float) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+    row = {k: cfg[k] for k in ("route", "budget", "batch")}
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        return dict(row, error=f"timeout: past {timeout:.0f} s")
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or [""])[-1]
+        return dict(row, error=f"process exited {proc.returncode}: {tail}"[:300])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _compare(rows: list[dict], results: dict) -> None:
+    """Each row's largest relative difference to the unbudgeted factor route's."""
+    import torch
+
+    for batch in {r["batch"] for r in rows}:
+        key = ("factors", "none", batch)
+        if key not in results:
+            continue
+        ref = torch.load(results[key])
+        for row in rows:
+            here = (row["route"], row["budget"], row["batch"])
+            if row["batch"] != batch or here not in results:
+                continue
+            got = torch.load(results[here])
+            row["rel_diff"] = max(
+                float((got[k] - ref[k]).abs().max() / ref[k].abs().max())
+                for k in ("K", "g")
+            )
+            if "seconds" in row:
+                base = next(
+                    r for r in rows if (r["route"], r["budget"], r["batch"]) == key
+                )
+                row["time_ratio"] = row["seconds"] / base["seconds"]
+
+
+def report(results: dict) -> str:
+    """The Markdown table of a run."""
+    meta = results["meta"]
+    lines = [
+        "# `ntk(x, x)` + d/dx on a CIFAR ResNet within the memory budget",
+        "",
+        f"Generated by `python benchmarks/jacobians/ntk_budget.py "
+        f"--threads {meta['threads']}`: torchvision's ResNet (one BasicBlock per "
+        f"stage, no batch norm, 10 classes, P = {meta['n_params']:,}), random "
+        f"3 × 32 × 32 images, {meta['threads']} thread(s), torch {meta['torch']}, "
+        f"{meta['machine']}, {meta['date']}. Each row a fresh process, one cold run "
+        "after a warm-up on two images; peak: resident memory above its value "
+        "before the step. `× none` is the time against the same batch's factor "
+        "route without a budget; `rel. diff` the largest relative difference of the "
+        "Gram and its gradient to that row's.",
+        "",
+        "| B | route | budget | s | peak GiB | × none | rel. diff |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(
+                f"| {r['batch']} | {r['route']} | {r['budget']} | – | – | – | "
+                f"{r['error']} |"
+            )
+            continue
+        ratio = f"{r['time_ratio']:.2f}" if "time_ratio" in r else "–"
+        diff = f"{r['rel_diff']:.1e}" if "rel_diff" in r else "–"
+        lines.append(
+            f"| {r['batch']} | {r['route']} | {r['budget']} | {r['seconds']:.2f} | "
+            f"{r['peak_gib']:.2f} | {ratio} | {diff} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run every row in its own process; write the JSON and the Markdown."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, nargs="+", default=[32])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", type=Path, default=HERE / "ntk_budget.json")
+    parser.add_argument("--markdown", type=Path, default=HERE / "NTK_BUDGET.md")
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(measure(json.loads(args.worker))))
+        return {}
+    import tempfile
+
+    import torch
+
+    rows, files = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in args.batch:
+            for route in ROUTES:
+                for budget in BUDGETS:
+                    if args.quick and budget == "512 MiB":
+                        budget = QUICK_BUDGET
+                    result = str(Path(tmp) / f"{route}-{budget}-{batch}.pt")
+                    cfg = dict(
+                        route=route, budget=budget, batch=batch, quick=args.quick
+                    )
+                    cfg.update(threads=args.threads, result=result)
+                    row = _fresh(cfg, args.timeout)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    if "seconds" in row:
+                        files[(route, budget, batch)] = result
+        _compare(rows, files)
+    meta = {
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "date": datetime.date.today().isoformat(),
+        "n_params": next((r["n_params"] for r in rows if "n_params" in r), 0),
+        "quick": args.quick,
+    }
+    results = {"meta": meta, "rows": rows}
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    args.markdown.write_text(report(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
