@@ -108,6 +108,7 @@ def test_api_pages_document_every_public_name():
     modules = _public_modules()
     assert {
         "laplace_diffjac.bayesopt",
+        "laplace_diffjac.budget",
         "laplace_diffjac.kernels",
         "laplace_diffjac.memory",
     } <= {m.__name__ for m in modules}

@@ -73,6 +73,14 @@ class Route:
         Tensors a probe does not count (the parameters).
     params : sequence of torch.Tensor
         The parameters the features depend on, for their gradients.
+    backward_scale : float
+        What one row input holds in the backward pass, as a multiple of the
+        features and graph the probe counts: 1 for the per-layer factors
+        (measured: the budget's peaks stay within it); 4 for assembled Jacobians,
+        whose backward pass through the assembly and the engine's double backward
+        holds J-sized gradients the graph does not show (measured on the CIFAR
+        ResNet of ``benchmarks/jacobians/ntk_budget.py``: 1.42 GiB a row input
+        against 0.37 GiB counted).
 
     """
 
@@ -83,6 +91,7 @@ class Route:
     take: Callable[[Features, slice], Features]
     exclude: Sequence[torch.Tensor]
     params: Sequence[torch.Tensor]
+    backward_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,7 @@ def plan_gram(
     grad: bool,
     budget: int,
     max_chunk: int,
+    backward_scale: float = 1.0,
 ) -> Plan:
     """The largest chunks of a ``B1 × B2`` Gram that fit ``budget`` bytes.
 
@@ -222,6 +232,8 @@ def plan_gram(
         Bytes.
     max_chunk : int
         The caller's ``chunk_size``: no chunk is larger.
+    backward_scale : float, default=1.0
+        The route's :attr:`Route.backward_scale`.
 
     Returns
     -------
@@ -235,14 +247,14 @@ def plan_gram(
 
     """
     rows, cols = sizes
-    per_input = costs.graph if grad else costs.features
+    per_input = costs.graph * backward_scale if grad else costs.features
     first = min(max_chunk, rows, cols)
     gram = costs.pair(rows, cols) if grad else costs.pair(first, first)
     whole = per_input * (rows + (0 if symmetric else cols)) + gram
     if whole <= budget:
         return Plan(max_chunk, False, True, whole)
 
-    needs = partial(chunk_needs, costs, sizes, grad)
+    needs = partial(_needs, costs, sizes, grad, backward_scale)
 
     for cache in (costs.features * cols <= budget / 2, False):
         chunk = _largest(
@@ -262,7 +274,12 @@ def plan_gram(
 
 
 def plan_diagonal(
-    costs: Costs, size: int, grad: bool, budget: int, max_chunk: int
+    costs: Costs,
+    size: int,
+    grad: bool,
+    budget: int,
+    max_chunk: int,
+    backward_scale: float = 1.0,
 ) -> Plan:
     """The largest chunk of :func:`laplace_diffjac.ntk_diag` that fits ``budget``.
 
@@ -278,6 +295,8 @@ def plan_diagonal(
         Bytes.
     max_chunk : int
         The caller's ``chunk_size``.
+    backward_scale : float, default=1.0
+        The route's :attr:`Route.backward_scale`.
 
     Returns
     -------
@@ -290,7 +309,8 @@ def plan_diagonal(
         If one input does not fit.
 
     """
-    per_input = (costs.graph if grad else costs.features) + costs.diagonal
+    graph = costs.graph * backward_scale
+    per_input = (graph if grad else costs.features) + costs.diagonal
     if per_input * size <= budget:
         return Plan(max_chunk, False, False, per_input * size)
     chunk = _largest(lambda c: per_input * c <= budget, size, max_chunk)
@@ -307,7 +327,12 @@ def plan_diagonal(
 
 
 def chunk_needs(
-    costs: Costs, sizes: tuple[int, int], grad: bool, chunk: int, cache: bool
+    costs: Costs,
+    sizes: tuple[int, int],
+    grad: bool,
+    chunk: int,
+    cache: bool,
+    backward_scale: float = 1.0,
 ) -> float:
     """Bytes a chunked Gram holds at once, forward and (with ``grad``) backward.
 
@@ -323,6 +348,8 @@ def chunk_needs(
         Inputs per chunk.
     cache : bool
         Whether the column side's features are held across rows.
+    backward_scale : float, default=1.0
+        The route's :attr:`Route.backward_scale`.
 
     Returns
     -------
@@ -337,8 +364,20 @@ def chunk_needs(
     forward = costs.features * r + held + costs.pair(r, k)
     if not grad:
         return forward
-    backward = (costs.graph + costs.features) * r + held + costs.pair(r, k)
+    per_row = (costs.graph + costs.features) * backward_scale
+    backward = per_row * r + held + costs.pair(r, k)
     return max(forward, backward)
+
+
+def _needs(
+    costs: Costs,
+    sizes: tuple[int, int],
+    grad: bool,
+    backward_scale: float,
+    chunk: int,
+    cache: bool,
+) -> float:
+    return chunk_needs(costs, sizes, grad, chunk, cache, backward_scale)
 
 
 def _fits(

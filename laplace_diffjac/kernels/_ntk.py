@@ -367,6 +367,7 @@ def ntk(
         grad,
         get_memory_budget(device),
         chunk_size,
+        features.backward_scale,
     )
     if plan.chunked:
         return budgeted_gram(
@@ -447,6 +448,7 @@ def ntk_diag(
         grad,
         get_memory_budget(device),
         chunk_size,
+        features.backward_scale,
     )
     if plan.chunked:
         if grad and not isinstance(x, torch.Tensor):
@@ -599,6 +601,7 @@ def _budget_route(
         take=lambda J, where: J[where],
         exclude=list(backend.model.parameters()),
         params=params,
+        backward_scale=4.0,
     )
 
 

@@ -39,8 +39,9 @@ def _smallest_budget(backend, x, sizes, symmetric, prior_var):
     budget = 256
     while True:
         try:
-            plan = plan_gram(costs, sizes, symmetric, True, budget, 256)
-            plan_diagonal(costs, sizes[0], True, budget, 256)
+            scale = route.backward_scale
+            plan = plan_gram(costs, sizes, symmetric, True, budget, 256, scale)
+            plan_diagonal(costs, sizes[0], True, budget, 256, scale)
         except MemoryBudgetError:
             budget = int(budget * 1.25)
             continue
@@ -113,17 +114,20 @@ def test_a_plan_takes_the_largest_chunk_that_fits(case, backend_cls):
     route = _budget_route(backend, factor_route_applies(backend), None)
     costs = probe(route, x, one)
     assert costs.features > 0 and costs.graph > costs.features
-    whole = plan_gram(costs, (5, 5), True, True, 2**30, 256)
+    scale = route.backward_scale
+    whole = plan_gram(costs, (5, 5), True, True, 2**30, 256, scale)
     assert not whole.chunked
     smallest, _ = _smallest_budget(backend, x, (5, 5), True, one)
     assert smallest < whole.needs
     for budget in (smallest, (smallest + int(whole.needs)) // 2):
-        plan = plan_gram(costs, (5, 5), True, True, budget, 256)
+        plan = plan_gram(costs, (5, 5), True, True, budget, 256, scale)
         if not plan.chunked:
             continue
         assert 1 <= plan.chunk < 5 and plan.needs <= budget
         # one more input per chunk would not fit
-        more = chunk_needs(costs, (5, 5), True, plan.chunk + 1, plan.cache_columns)
+        more = chunk_needs(
+            costs, (5, 5), True, plan.chunk + 1, plan.cache_columns, scale
+        )
         assert more > budget
 
 
