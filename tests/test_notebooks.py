@@ -3,7 +3,8 @@
 The notebooks run in a kernel on the current interpreter (a kernelspec in a temporary
 directory, see ``notebooks/execute.py``), so this works in a fresh ``pip install -e
 .[test]`` environment. This process checks that every cell, the final assertions
-included, succeeds, and that no cell writes a warning to stderr.
+included, succeeds, that the import cell writes nothing to stderr and that no cell
+prints the dependency warnings the package keeps out of its import.
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ def test_notebook_runs_at_smoke_size(path: Path, kernel_name: str) -> None:
         if out.get("output_type") == "error"
     ]
     assert not errors
-    # a quiet kernel: no warning on stderr, laplace-torch's import-time ones included
+    # a quiet kernel: the import cell writes nothing to stderr, and no cell prints
+    # the dependencies' warnings the package keeps out of its import (notebook 01
+    # shows laplace-torch's own BackPACK warnings on purpose)
     stderr = [
-        "".join(out["text"])
-        for cell in nb.cells
-        if cell.cell_type == "code"
+        (i, "".join(out["text"]))
+        for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code")
         for out in cell.get("outputs", [])
         if out.get("output_type") == "stream" and out.get("name") == "stderr"
     ]
-    assert not [text for text in stderr if "warn" in text.lower()], stderr
+    assert not [text for i, text in stderr if i == 0], stderr
+    for _, text in stderr:
+        assert "TqdmWarning" not in text and "torch.jit.script" not in text, text

@@ -6,9 +6,10 @@ functions with ``torch.jit.script``, which torch (2.10 and later) deprecates wit
 ``import laplace_diffjac``, none of them about this package or anything a user can
 change. In a Jupyter kernel without ipywidgets, the same import (through
 ``huggingface_hub``'s ``tqdm.auto``) also prints tqdm's "IProgress not found"
-``TqdmWarning``. This module imports laplace-torch first, with those two warnings
-alone silenced (each by its message, category and the module that issues it) and
-only around that import; every other warning, and the same warnings from any later
+``TqdmWarning`` (issued in ``tqdm.autonotebook``, attributed to ``tqdm.auto``).
+This module imports laplace-torch first, with those two warnings alone silenced
+(each by its message, category and the module it is attributed to) and only
+around that import; every other warning, and the same warnings from any later
 call, stay as the user's filters say. ``backends/__init__.py`` imports this module
 before any module that imports laplace-torch.
 """
@@ -32,6 +33,6 @@ with warnings.catch_warnings():
         "ignore",
         message="IProgress not found",
         category=TqdmWarning,
-        module=r"tqdm\.autonotebook",
+        module=r"tqdm\.auto(notebook)?",
     )
     import laplace  # noqa: F401
