@@ -40,7 +40,7 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     record = json.loads((out / "gpu_run.json").read_text())
     steps = {s["name"]: s for s in record["steps"]}
-    assert list(steps) == ["environment", "tests", "jacobians", "ntk"]
+    assert list(steps) == ["environment", "tests", "jacobians", "ntk", "ntk_budget"]
     assert all(s["ok"] for s in steps.values()), record
     assert sum(s["seconds"] for s in steps.values()) < record["budget_s"] == 450
     tests = steps["tests"]["notes"]
@@ -54,7 +54,12 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     assert "| tests | ok |" in text and "| ntk | ok |" in text
     assert "| config | allocator | P | obj. |" in text
     assert "| model | B | allocator | route |" in text
-    for name in ("RESULTS.md", "NTK_ROUTES.md", "tests.xml", "logs/tests.log"):
+    budgeted = json.loads((out / "ntk_budget.json").read_text())
+    assert budgeted["meta"]["device"] == "cpu"
+    assert all("seconds" in r for r in budgeted["rows"]), budgeted["rows"]
+    assert "| B | route | budget | s | peak GiB |" in text
+    logs = ("logs/tests.log", "logs/ntk_budget.log")
+    for name in ("RESULTS.md", "NTK_ROUTES.md", "NTK_BUDGET.md", "tests.xml", *logs):
         assert (out / name).exists(), name
 
 

@@ -59,7 +59,14 @@ QUICK_CONFIGS = ["mlp2x16-C3-B8"]
 QUICK_METHODS = ["vmap_jacrev", "DiffBackPackGGN"]
 
 #: Hard limit of each step, seconds (the budget may cut it shorter).
-LIMITS = {"environment": 20, "setup": 240, "tests": 120, "jacobians": 170, "ntk": 110}
+LIMITS = {
+    "environment": 20,
+    "setup": 240,
+    "tests": 120,
+    "jacobians": 170,
+    "ntk": 110,
+    "ntk_budget": 120,
+}
 
 #: What a working interpreter imports (the tests' and benchmarks' dependencies).
 NEEDED = "import torch, laplace, backpack, curvlinops, pytest, laplace_diffjac"
@@ -231,6 +238,16 @@ def steps(runner: Runner, python: str, device: str, quick: bool) -> None:
         [python, JACOBIANS / "ntk_routes.py", "--device", device, *rounds]
         + ["--out", out / "ntk_routes.json", "--markdown", out / "NTK_ROUTES.md"],
     )
+    # ResNet-18 (CIFAR stem) ntk + d/dx within the memory budget, each row its
+    # own process; what the budget leaves of the run (the last step)
+    sizes = ["--quick", "--batch", "4", "--jacobian-batch", "4"] if quick else []
+    sizes = sizes or ["--model", "resnet18-cifar", "--batch", "16", "64"]
+    sizes += [] if quick else ["--jacobian-batch", "16"]
+    runner.run(
+        "ntk_budget",
+        [python, JACOBIANS / "ntk_budget.py", "--device", device, *sizes]
+        + ["--out", out / "ntk_budget.json", "--markdown", out / "NTK_BUDGET.md"],
+    )
 
 
 def _section(path: pathlib.Path, start: str) -> list[str]:
@@ -270,6 +287,7 @@ def summary(runner: Runner, device: str, quick: bool, budget: float) -> str:
     table = _section(runner.out / "RESULTS.md", "| config | allocator | P |")
     gram = _section(runner.out / "RESULTS.md", "| config | allocator | P | route |")
     ntk = _section(runner.out / "NTK_ROUTES.md", "| model | B |")
+    budgeted = _section(runner.out / "NTK_BUDGET.md", "| B | route | budget |")
     return "\n".join(
         [
             f"# laplace_diffjac on `{device}`" + (" (quick)" if quick else ""),
@@ -297,6 +315,10 @@ def summary(runner: Runner, device: str, quick: bool, budget: float) -> str:
             "## NTK routes (`NTK_ROUTES.md`)",
             "",
             *(ntk or ["(no table: see the log)"]),
+            "",
+            "## NTK within the memory budget (`NTK_BUDGET.md`)",
+            "",
+            *(budgeted or ["(no table: see the log)"]),
             "",
         ]
     )
