@@ -639,6 +639,16 @@ def _leaf_gradients(
     return sums
 
 
+def _diagonal_blocks(run: _Run, x: Any, prior_var: torch.Tensor) -> torch.Tensor:
+    """Per-input Grams, chunk by chunk, with whatever graph grad mode keeps."""
+    route = run.route
+    parts = [
+        route.pair(route.features(take_inputs(x, s)), None, prior_var)
+        for s in _starts(batch_of(x), run.plan.chunk)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class _RecomputedDiagonal(torch.autograd.Function):
     """Per-input Grams with no graph kept; the backward pass recomputes features."""
 
@@ -652,13 +662,8 @@ class _RecomputedDiagonal(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.run = run
         ctx.save_for_backward(x, prior_var)
-        route = run.route
         with torch.no_grad():
-            parts = [
-                route.pair(route.features(x[s]), None, prior_var)
-                for s in _starts(len(x), run.plan.chunk)
-            ]
-        return torch.cat(parts)
+            return _diagonal_blocks(run, x, prior_var)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -746,7 +751,7 @@ def budgeted_gram(
 
 
 def budgeted_diagonal(
-    route: Route, plan: Plan, x: torch.Tensor, prior_var: torch.Tensor
+    route: Route, plan: Plan, x: Any, prior_var: torch.Tensor, grad: bool
 ) -> torch.Tensor:
     """Per-input Grams ``(B, V, V)`` in the plan's chunks; differentiable once.
 
@@ -756,16 +761,33 @@ def budgeted_diagonal(
         The features and their Grams.
     plan : Plan
         From :func:`plan_diagonal`, with ``chunked=True``.
-    x : torch.Tensor
-        ``(B, ...)``.
+    x : torch.Tensor or mapping
+        ``(B, ...)``; a tensor when ``grad``.
     prior_var : torch.Tensor
         ``()`` or ``(P,)``.
+    grad : bool
+        Whether a gradient may be asked for, as for :func:`budgeted_gram`.
 
     Returns
     -------
     torch.Tensor
         ``(B, V, V)``.
 
+    Raises
+    ------
+    MemoryBudgetError
+        If a gradient may be asked for and the inputs are a mapping.
+
     """
     run = _Run(route, plan, True, len(route.params))
+    if not grad:
+        with torch.no_grad():
+            return _diagonal_blocks(run, x, prior_var)
+    if not isinstance(x, torch.Tensor):
+        raise MemoryBudgetError(
+            "ntk_diag of these inputs does not fit the memory budget in one piece "
+            "with its graph, and dict inputs cannot be recomputed in chunks for a "
+            "gradient. Compute it under torch.no_grad(), pass a smaller batch, or "
+            "raise the budget (laplace_diffjac.set_memory_budget)."
+        )
     return _RecomputedDiagonal.apply(run, x, prior_var, *route.params)

@@ -32,7 +32,6 @@ import torch
 
 from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN, JacobianBackend
 from ..budget import get_memory_budget
-from ..errors import MemoryBudgetError
 from ..jacobians._engine import JacobianFactors
 from ._budgeted import (
     Costs,
@@ -451,24 +450,7 @@ def ntk_diag(
         features.backward_scale,
     )
     if plan.chunked:
-        if grad and not isinstance(x, torch.Tensor):
-            raise MemoryBudgetError(
-                "ntk_diag of these inputs does not fit the memory budget in one "
-                "piece with its graph, and dict inputs cannot be recomputed in "
-                "chunks for a gradient. Compute it under torch.no_grad(), pass a "
-                "smaller batch, or raise the budget "
-                "(laplace_diffjac.set_memory_budget)."
-            )
-        if not grad:
-            with torch.no_grad():
-                return _cat(
-                    [
-                        features.pair(features.features(xc), None, prior_var)
-                        for xc in _chunks(x, plan.chunk)
-                    ],
-                    dim=0,
-                )
-        return budgeted_diagonal(features, plan, x, prior_var)
+        return budgeted_diagonal(features, plan, x, prior_var, grad)
     if use_factors:
         factors = _factors_of(backend, dtype)
         params = list(backend.params)
