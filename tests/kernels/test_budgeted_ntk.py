@@ -25,13 +25,14 @@ from laplace_diffjac.kernels._budgeted import (
 )
 from laplace_diffjac.kernels._held_memory import held_bytes
 from laplace_diffjac.kernels._ntk import _budget_route, factor_route_applies
+from tests.class_models import DictModel
 from tests.references import assert_same_state, loop_jacobians, model_state
 
 #: Bytes: a few inputs' features of the small models below, so every call chunks.
 TINY = 12_000
 
 
-def _smallest_budget(backend, x, sizes, symmetric, prior_var):
+def _smallest_budget(backend, x, sizes, symmetric, prior_var, grad=True):
     """The smallest budget (within 25 %) at which ``ntk`` and ``ntk_diag`` of
     ``x`` run, and the Gram's plan there: one or two inputs per chunk."""
     route = _budget_route(backend, factor_route_applies(backend), None)
@@ -40,8 +41,8 @@ def _smallest_budget(backend, x, sizes, symmetric, prior_var):
     while True:
         try:
             scale = route.backward_scale
-            plan = plan_gram(costs, sizes, symmetric, True, budget, 256, scale)
-            plan_diagonal(costs, sizes[0], True, budget, 256, scale)
+            plan = plan_gram(costs, sizes, symmetric, grad, budget, 256, scale)
+            plan_diagonal(costs, sizes[0], grad, budget, 256, scale)
         except MemoryBudgetError:
             budget = int(budget * 1.25)
             continue
@@ -191,3 +192,33 @@ def test_without_gradients_the_chunked_gram_keeps_no_graph():
     assert K.grad_fn is None and D.grad_fn is None
     torch.testing.assert_close(K, expected, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(D, torch.einsum("aace->ace", expected))
+
+
+def test_dict_inputs_chunk_without_gradients_and_refuse_one_that_needs_recomputing():
+    """Dict inputs are chunked under ``torch.no_grad()`` (same numbers as whole);
+    with a gradient possible and no room for the whole graph, they are refused
+    before any work, since only tensors are recomputed in chunks."""
+    torch.manual_seed(0)
+    model = DictModel().double()
+    gen = torch.Generator().manual_seed(2)
+    x = {
+        "u": torch.randn(6, 4, generator=gen, dtype=torch.float64),
+        "v": torch.randn(6, 2, generator=gen, dtype=torch.float64),
+    }
+    backend = DiffBackPackGGN(model, "classification")
+    with torch.no_grad():
+        K_whole, D_whole = ntk(backend, x), ntk_diag(backend, x)
+    one = torch.tensor(1.0, dtype=torch.float64)
+    budget, plan = _smallest_budget(backend, x, (6, 6), True, one, grad=False)
+    assert plan.chunked and plan.chunk < 6
+    with torch.no_grad(), memory_budget(budget):
+        K, D = ntk(backend, x), ntk_diag(backend, x)
+    torch.testing.assert_close(K, K_whole, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(D, D_whole, rtol=1e-12, atol=1e-14)
+    before = model_state(model)
+    budget, plan = _smallest_budget(backend, x, (6, 6), True, one)
+    assert plan.chunked
+    for call in (ntk, ntk_diag):
+        with memory_budget(budget), pytest.raises(MemoryBudgetError, match="dict"):
+            call(backend, x)  # the parameters require gradients
+    assert_same_state(before, model_state(model))
