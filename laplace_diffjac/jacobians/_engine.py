@@ -113,6 +113,40 @@ class JacobianFactors:
         f = self.f[index]
         return JacobianFactors(factors, f, self.n_rows, int(f.shape[0]))
 
+    def expanded(self, batch: int) -> JacobianFactors:
+        """One sample's factors as ``batch`` samples' shapes, expanded views (no copy).
+
+        For counting what contractions of a larger batch would hold (their shapes
+        only); the numbers are the one sample's, repeated.
+
+        Returns
+        -------
+        JacobianFactors
+            Of ``batch`` samples, sharing this one's memory.
+
+        Raises
+        ------
+        ValueError
+            If these factors are not of one sample.
+        """
+        if self.batch != 1:
+            raise ValueError(f"expanded needs one sample's factors, not {self.batch}.")
+
+        def grown(entry: Factors) -> Factors:
+            changes: dict[str, Any] = {}
+            for name, value in vars(entry).items():
+                if isinstance(value, torch.Tensor):
+                    shape = list(value.shape)
+                    shape[_batch_dim(entry, name)] = batch
+                    changes[name] = value.expand(shape)
+            return replace(entry, **changes)
+
+        factors = {
+            key: [grown(e) for e in entries] for key, entries in self.factors.items()
+        }
+        f = self.f.expand(batch, *self.f.shape[1:])
+        return JacobianFactors(factors, f, self.n_rows, batch)
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the factors' tensors (a shared tensor counted each time)."""

@@ -173,6 +173,79 @@ def gram_multiply_adds(
     return total
 
 
+def gram_working_bytes(
+    left: JacobianFactors,
+    right: JacobianFactors | None,
+    params: Sequence[torch.Tensor],
+    prior_var: torch.Tensor,
+) -> int:
+    """Bytes :func:`factor_gram` holds at once beyond its operands, without a graph.
+
+    Counted from shapes alone, per parameter for the route :func:`factor_gram`
+    takes with the same arguments, so it may be asked of factors whose tensors
+    are expanded views (``JacobianFactors.expanded``): the block route holds both
+    batches' blocks (and the prior-scaled copy of the first), as much again for
+    the copies ``einsum`` makes of them, and their Gram; the factor route, per
+    pair of entries, the inputs' inner products over positions and a copy of
+    them, two copies of the chunk of :func:`_chunked_product_gram`'s
+    intermediate, and the pair's Gram. Two Gram-sized running sums are held
+    throughout. The largest parameter's count is returned.
+
+    Parameters
+    ----------
+    left, right, params, prior_var
+        As for :func:`factor_gram`.
+
+    Returns
+    -------
+    int
+        Bytes, in the Gram's dtype.
+
+    """
+    diagonal = right is None
+    other = left if right is None else right
+    dtype = torch.promote_types(left.f.dtype, prior_var.dtype)
+    pairs = left.batch if diagonal else left.batch * other.batch
+    gram = pairs * left.n_rows * other.n_rows
+    largest = 0
+    for route in _routes(left, other, params, prior_var, diagonal, right is left):
+        if not route.factor:
+            size = route.param.numel()
+            once = diagonal or right is left
+            scaled = route.scale is None  # the prior-scaled copy of the first block
+            blocks = left.batch * left.n_rows * size * (2 if scaled else 1)
+            if not once:
+                blocks += other.batch * other.n_rows * size
+            largest = max(largest, 2 * blocks + gram)  # einsum's operand copies
+            continue
+        for e1, e2 in route.entry_pairs():
+            largest = max(largest, _pair_elements(e1, e2, diagonal) + gram)
+    return (largest + 2 * gram) * dtype.itemsize
+
+
+def _pair_elements(e1: Factors, e2: Factors, diagonal: bool) -> int:
+    """Elements :func:`_pair_gram` holds at once for one pair, besides its Gram."""
+    n_rows1, batch1 = _rows_and_batch(e1)
+    n_rows2, batch2 = _rows_and_batch(e2)
+    pairs = batch1 if diagonal else batch1 * batch2
+    if isinstance(e1, Product) and isinstance(e2, Product):
+        len1, len2 = e1.g.shape[3], e2.g.shape[3]
+        if len1 == 1 and len2 == 1:
+            return pairs * n_rows1 * n_rows2 + pairs
+        n_out = e1.g.shape[2]
+        per_row = len1 * n_rows2 * n_out
+        if diagonal:
+            return pairs * len1 * len2 + 2 * batch1 * per_row
+        chunk = min(batch2, max(1, _CHUNK_ELEMENTS // max(batch1 * per_row, 1)))
+        return 2 * pairs * len1 * len2 + 2 * batch1 * chunk * per_row
+    if isinstance(e1, Summed):
+        return (batch1 + batch2) * n_rows1 * e1.g.shape[2]
+    if isinstance(e1, Scattered) and isinstance(e2, Scattered):
+        len1, len2, width = e1.g.shape[2], e2.g.shape[2], e1.g.shape[3]
+        return pairs * len1 * len2 + pairs * len1 * n_rows2 * width
+    return 0
+
+
 def jacobian_gram_multiply_adds(
     left: JacobianFactors,
     right: JacobianFactors | None,

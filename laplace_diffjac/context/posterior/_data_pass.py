@@ -37,6 +37,7 @@ def accumulate(
     progress_bar: bool,
     offset: torch.Tensor | None = None,
     structured: bool = True,
+    chunk: int | None = None,
 ) -> None:
     """Add this process's data to ``acc``, one batch of inputs and features at a time.
 
@@ -66,18 +67,26 @@ def accumulate(
         ``(P,)`` ``θ* − μ₀`` for the dual mean's sums.
     structured : bool, default=True
         Use the backend's per-layer factors where it has them.
+    chunk : int, optional
+        At most this many inputs at once (the memory budget's chunks): a larger
+        batch is added in consecutive pieces, which changes only the order of
+        the sums' additions.
 
     """
     param = next(iter(backend.model.parameters()))
     batches = data.checked_batches(input_dtype, feature_shape)
     for xb, yb in progress(batches, desc="Data", enabled=progress_bar):
         xb = xb.to(device=param.device, dtype=param.dtype)
-        with torch.no_grad():
-            features = batch_features(backend, xb, False, structured)
-            if yb is not None:
-                check_targets(yb, features.f, likelihood, f"{data.name}'s targets")
-            acc.add(features, yb, groups, likelihood, offset)
-        del features
+        step = len(xb) if chunk is None else max(1, chunk)
+        for start in range(0, len(xb), step):
+            where = slice(start, start + step)
+            y = None if yb is None else yb[where]
+            with torch.no_grad():
+                features = batch_features(backend, xb[where], False, structured)
+                if y is not None:
+                    check_targets(y, features.f, likelihood, f"{data.name}'s targets")
+                acc.add(features, y, groups, likelihood, offset)
+            del features
 
 
 def compute_copy(

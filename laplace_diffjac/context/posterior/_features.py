@@ -67,6 +67,20 @@ class BatchFeatures(ABC):
         """Number ``C`` of outputs."""
         return int(self.f.shape[1])
 
+    @property
+    def kind(self) -> type[BatchFeatures]:
+        """The class whose products these features compute with (their own)."""
+        return type(self)
+
+    @abstractmethod
+    def as_jacobians(self) -> BatchFeatures:
+        """The same features as Jacobians ``J`` (formed if they are factors).
+
+        Returns
+        -------
+        BatchFeatures
+        """
+
     @abstractmethod
     def gram(
         self,
@@ -204,6 +218,10 @@ class JacobianBatch(BatchFeatures):
         """See :meth:`BatchFeatures.detach`."""
         return JacobianBatch(self.J.detach(), self.f.detach())
 
+    def as_jacobians(self) -> JacobianBatch:
+        """See :meth:`BatchFeatures.as_jacobians` (itself)."""
+        return self
+
 
 class FactorBatch(BatchFeatures):
     """Features held as the engine's per-layer factors; ``J`` is never formed.
@@ -290,6 +308,12 @@ class FactorBatch(BatchFeatures):
     def detach(self) -> FactorBatch:
         """See :meth:`BatchFeatures.detach`."""
         return FactorBatch(self.parts.detach(), self.params)
+
+    def as_jacobians(self) -> JacobianBatch:
+        """See :meth:`BatchFeatures.as_jacobians`: ``J`` assembled, detached."""
+        return JacobianBatch(
+            self.parts.assembled(self.params).detach(), self.f.detach()
+        )
 
 
 def batch_features(

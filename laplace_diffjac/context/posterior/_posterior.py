@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ...backends import BackendSpec, DiffBackPackGGN, as_backend
+from ...budget import get_memory_budget, over_budget
 from ...data import (
     Data,
     TrainingData,
@@ -38,9 +39,17 @@ from ...data import (
     check_inputs,
     is_distributed,
 )
-from ...errors import InvalidInputError
+from ...errors import InvalidInputError, MemoryBudgetError
 from ...kernels import PriorPrecision
 from . import _tuning
+from ._chunks import (
+    ChunkedFeatures,
+    Chunks,
+    FeatureSizes,
+    feature_sizes,
+    plan_chunks,
+    slices,
+)
 from ._data_pass import accumulate, compute_copy, sync_copy
 from ._dual_mean import check_predictive_mean, dual_mean
 from ._evidence import evidence_terms, log_likelihood
@@ -188,6 +197,8 @@ class ContextPosterior(LaplacePredictive):
         self._acc: Accumulators | None = None
         self._groups: PriorGroups | None = None
         self._factors = FactorCache()
+        self._sizes: FeatureSizes | None = None
+        self._chunks: Chunks | None = None
 
     def fit(self, train_loader: Data, progress_bar: bool = False) -> ContextPosterior:
         """Accumulate the data's sums (``K_ZX Λ K_XZ``, GGN diagonal, loss).
@@ -227,7 +238,10 @@ class ContextPosterior(LaplacePredictive):
         structure = infer_structure(self._structure_request, prec, self.n_layers)
         groups = PriorGroups.build(structure, prec, self._layer_sizes)
         sync_copy(self._compute_model, self.model)
-        acc = Accumulators.empty(self._location_features(), groups, self.jitter)
+        loader = data.loader
+        largest = self.batch_size if loader is None else loader.batch_size or 1024
+        chunks = self._plan(largest, len(groups.bounds), None)
+        acc = Accumulators.empty(self._location_features(chunks), groups, self.jitter)
         shape = self.locations.shape[1:]
         accumulate(
             self._compute_backend,
@@ -240,6 +254,7 @@ class ContextPosterior(LaplacePredictive):
             progress_bar,
             self._offset(),
             self.structured,
+            chunks.data,
         )
         reduce_accumulators(acc)
         if acc.n_data == 0:
@@ -247,7 +262,7 @@ class ContextPosterior(LaplacePredictive):
                 "train_loader yielded no training points (on any rank); pass the "
                 "training data."
             )
-        self._acc, self._groups = acc, groups
+        self._acc, self._groups, self._chunks = acc, groups, chunks
         self._factors.clear()
         return self
 
@@ -297,6 +312,7 @@ class ContextPosterior(LaplacePredictive):
             False,
             self._offset(),
             self.structured,
+            self._data_chunk(len(x_new)),
         )
         reduce_accumulators(new)  # only the new sums: the old ones are reduced
         acc.merge(new)
@@ -572,10 +588,42 @@ class ContextPosterior(LaplacePredictive):
         """
         load_posterior_state(self, state_dict)
 
-    def _location_features(self) -> BatchFeatures:
-        """The locations' features (factors or ``J_Z``), detached, float64."""
-        Z = self.locations.to(device=self._device, dtype=self._compute_dtype)
-        return location_features(self._compute_backend, Z, self.structured)
+    def _compute_locations(self) -> torch.Tensor:
+        return self.locations.to(device=self._device, dtype=self._compute_dtype)
+
+    def _plan(self, batch: int, n_groups: int, hold: bool | None) -> Chunks:
+        """Chunks for passes over batches of up to ``batch`` inputs (the budget's)."""
+        Z = self._compute_locations()
+        if self._sizes is None:
+            self._sizes = feature_sizes(self._compute_backend, Z, self.structured)
+        budget = get_memory_budget(self._device)
+        return plan_chunks(self._sizes, len(Z), batch, n_groups, budget, hold)
+
+    def _data_chunk(self, batch: int) -> int:
+        """Inputs per chunk for a pass over ``batch`` inputs after ``fit``."""
+        acc, groups = self._fitted()
+        hold = not isinstance(acc.locations, ChunkedFeatures) or acc.locations.held
+        return self._plan(batch, len(groups.bounds), hold).data
+
+    def _location_features(self, chunks: Chunks | None = None) -> BatchFeatures:
+        """The locations' features (factors or ``J_Z``), detached, float64.
+
+        Held whole unless ``chunks`` says otherwise: then in blocks, held or
+        computed again whenever they are used (:class:`._chunks.ChunkedFeatures`).
+
+        Returns
+        -------
+        BatchFeatures
+        """
+        Z = self._compute_locations()
+        backend, structured = self._compute_backend, self.structured
+        if chunks is None or chunks.whole:
+            return location_features(backend, Z, structured)
+
+        def block(where: slice) -> BatchFeatures:
+            return location_features(backend, Z[where], structured)
+
+        return ChunkedFeatures(block, len(Z), chunks.locations, chunks.hold_locations)
 
     def _offset(self) -> torch.Tensor:
         """``θ* − μ₀`` ``(P,)`` in float64 (the dual mean's linearisation)."""
@@ -686,10 +734,15 @@ class ContextPosterior(LaplacePredictive):
         """
         lead = q_batch_shape(x, self.locations.shape[1:])
         flat = x.reshape(-1, *self.locations.shape[1:])
-        f, features, T = self._predictive_pieces(flat)
-        q, C = lead[-1], features.n_outputs
-        covariance = self._covariance(features, T, q)
-        covariance = covariance.reshape(*lead[:-1], q * C, q * C)
+        q = lead[-1]
+        means, covariances = [], []
+        for where in self._test_chunks(flat, q):
+            f, features, T = self._predictive_pieces(flat[where])
+            means.append(f)
+            covariances.append(self._covariance(features, T, q))
+            del features, T
+        f, C = torch.cat(means), means[0].shape[-1]
+        covariance = torch.cat(covariances).reshape(*lead[:-1], q * C, q * C)
         return self._as_output(f.reshape(*lead, -1), covariance)
 
     def _predictive_pieces(
@@ -719,8 +772,46 @@ class ContextPosterior(LaplacePredictive):
     def _glm_predictive_distribution(
         self, x: torch.Tensor, joint: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        f, features, T = self._predictive_pieces(x)
         if joint:
+            f, features, T = self._predictive_pieces(x)
             covariance = self._covariance(features, T, features.batch)[0]
             return self._as_output(f.flatten(), covariance)
-        return self._as_output(f, self._variance(features, T))
+        means, variances = [], []
+        for where in self._test_chunks(x, 1):
+            f, features, T = self._predictive_pieces(x[where])
+            means.append(f)
+            variances.append(self._variance(features, T))
+            del features, T
+        return self._as_output(torch.cat(means), torch.cat(variances))
+
+    def _test_chunks(self, x: torch.Tensor, q: int) -> list[slice]:
+        """Slices of ``x`` (whole ``q``-blocks) that fit the memory budget.
+
+        Returns
+        -------
+        list of slice
+
+        Raises
+        ------
+        MemoryBudgetError
+            With ``enable_backprop``, when the inputs' graph does not fit whole:
+            every chunk's graph is kept for the gradient.
+        """
+        n = len(x)
+        chunk = self._data_chunk(n)
+        if chunk >= n:
+            return [slice(0, n)]
+        if self.enable_backprop and torch.is_grad_enabled():
+            sizes = self._sizes
+            assert sizes is not None
+            raise MemoryBudgetError(
+                over_budget(
+                    f"A prediction at {n} inputs with enable_backprop=True",
+                    int(n * sizes.transient),
+                    get_memory_budget(self._device),
+                    f"Its graph is kept whole for the gradient; {chunk} inputs fit. "
+                    "Predict in smaller batches, or under torch.no_grad().",
+                )
+            )
+        step = max(q, chunk // q * q)
+        return slices(n, step)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ...data import is_distributed, reduce_sum
 from ...kernels import output_hessians
-from ._features import BatchFeatures, FactorBatch, JacobianBatch
+from ._features import BatchFeatures, JacobianBatch
 from ._hyperparameters import PriorGroups
 
 __all__ = [
@@ -164,7 +164,7 @@ class Accumulators:
     n_data: int = 0
     has_targets: bool = True
     offset: torch.Tensor | None = None
-    _jacobian_locations: JacobianBatch | None = field(default=None, repr=False)
+    _jacobian_locations: BatchFeatures | None = field(default=None, repr=False)
 
     @staticmethod
     def empty(
@@ -237,13 +237,10 @@ class Accumulators:
 
     def _locations_like(self, batch: BatchFeatures) -> BatchFeatures:
         """The locations' features of ``batch``'s kind (``J_Z`` formed once if not)."""
-        if type(batch) is type(self.locations):
+        if batch.kind is self.locations.kind:
             return self.locations
         if self._jacobian_locations is None:
-            assert isinstance(self.locations, FactorBatch)
-            Z = self.locations
-            J = Z.parts.assembled(Z.params).detach()
-            self._jacobian_locations = JacobianBatch(J, Z.f.detach())
+            self._jacobian_locations = self.locations.as_jacobians()
         return self._jacobian_locations
 
     def whitened(

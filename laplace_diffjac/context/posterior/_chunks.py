@@ -1,0 +1,386 @@
+"""``ContextPosterior`` within the memory budget: chunk sizes, and chunked locations.
+
+Everything the posterior computes from the data is a sum over training points,
+and everything it predicts is per test input (or per ``q``-block), so the budget
+(:mod:`laplace_diffjac.budget`) is met by taking the data and the test inputs in
+chunks of ``c`` inputs and the locations in blocks of ``z`` locations. What one
+step holds at once is counted before any work:
+
+* a chunk's features while they are computed (the engine's activations and
+  signals): ``c t`` with ``t`` the features of one input with their autograd
+  graph, as :func:`laplace_diffjac.kernels._budgeted.probe` counts them, times
+  :data:`TRANSIENT_SCALE`;
+* the locations' features: held (``2 M f``: the blocks and their concatenation,
+  ``f`` the features of one input) or, when they do not fit, recomputed block by
+  block for every chunk (``z (t + f)``);
+* one Gram of ``z`` locations and ``c`` inputs: what
+  :func:`~laplace_diffjac.kernels._factor_gram.gram_working_bytes` counts for
+  the per-layer factors (from one input's factors, expanded to those batch
+  sizes), or the prior-scaled copy of the Jacobians and the Gram for ``J``;
+* the chunk's Grams with all locations and their whitened copies,
+  ``(2 G + 2) (M C) (c C)`` numbers for ``G`` prior groups.
+
+The plan holds the locations when that leaves a data chunk whose estimated time
+is at most that of recomputing them (:func:`plan_chunks`). The results are the
+same sums and the same per-input predictions, in another order of addition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ...backends import JacobianBackend
+from ...budget import format_bytes, over_budget
+from ...errors import MemoryBudgetError
+from ...kernels import factor_route_applies
+from ...kernels._factor_gram import gram_working_bytes
+from ...kernels._ntk import _budget_route, _costs
+from ._features import BatchFeatures, batch_features
+
+__all__ = [
+    "TRANSIENT_SCALE",
+    "ChunkedFeatures",
+    "Chunks",
+    "FeatureSizes",
+    "feature_sizes",
+    "plan_chunks",
+]
+
+#: A chunk's peak while its features are computed without a graph, as a multiple
+#: of what its features hold with their graph (measured on the CIFAR ResNet of
+#: ``benchmarks/context_posterior/context_budget.py``: 6.7 MiB of resident memory
+#: per input against 5.8 MiB counted).
+TRANSIENT_SCALE = 1.25
+
+#: Per-chunk overhead in the plan's time estimate, in inputs' worth of work.
+_CALL_OVERHEAD = 4
+
+
+@dataclass(frozen=True)
+class FeatureSizes:
+    """What one input's features hold, and a Gram's working memory, in bytes.
+
+    Attributes
+    ----------
+    features : float
+        One input's features, held without graph.
+    transient : float
+        One input's share of the peak while features are computed.
+    gram : callable
+        ``(b1, b2) ->`` bytes a Gram of ``b1 × b2`` inputs holds beyond its operands.
+    n_outputs : int
+        ``C``.
+
+    """
+
+    features: float
+    transient: float
+    gram: Callable[[int, int], int]
+    n_outputs: int
+
+
+def feature_sizes(
+    backend: JacobianBackend, x: torch.Tensor, structured: bool
+) -> FeatureSizes:
+    """Measure :class:`FeatureSizes` on the first (one or two) inputs of ``x``.
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        The posterior's compute backend.
+    x : torch.Tensor
+        ``(b, *input_shape)`` in the backend model's dtype and device, ``b ≥ 1``.
+    structured : bool
+        Per-layer factors where the backend has them (as :func:`batch_features`).
+
+    Returns
+    -------
+    FeatureSizes
+
+    """
+    factors = structured and factor_route_applies(backend)
+    route = _budget_route(backend, factors, torch.float64)
+    prior_var = torch.ones((), dtype=torch.float64, device=x.device)
+    costs = _costs(backend, route, x[:2], prior_var, factors, torch.float64)
+    with torch.no_grad():
+        one = batch_features(backend, x[:1], False, structured)
+    C = one.n_outputs
+    if factors:
+        parts = one.parts  # type: ignore[attr-defined]
+        params = list(backend.params)
+
+        def gram(b1: int, b2: int) -> int:
+            left, right = parts.expanded(b1), parts.expanded(b2)
+            return gram_working_bytes(left, right, params, prior_var)
+
+    else:
+        width = one.J.shape[-1]  # type: ignore[attr-defined]
+
+        def gram(b1: int, b2: int) -> int:
+            return 8 * (b1 * C * width + 2 * b1 * b2 * C * C)
+
+    transient = max(costs.graph, costs.features) * TRANSIENT_SCALE
+    return FeatureSizes(costs.features, transient, gram, C)
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """How a pass over data (or test inputs) is chunked.
+
+    Attributes
+    ----------
+    data : int
+        Inputs per chunk.
+    locations : int
+        Locations per Gram block.
+    hold_locations : bool
+        The locations' features are held; else recomputed for every chunk.
+    needs : int
+        Bytes the plan holds at once, as counted.
+    whole : bool
+        Nothing is chunked: the locations whole, each batch whole.
+
+    """
+
+    data: int
+    locations: int
+    hold_locations: bool
+    needs: int
+    whole: bool
+
+
+def plan_chunks(
+    sizes: FeatureSizes,
+    n_locations: int,
+    batch: int,
+    n_groups: int,
+    budget: int,
+    hold: bool | None = None,
+) -> Chunks:
+    """The chunks of a pass over batches of up to ``batch`` inputs within ``budget``.
+
+    Holding the locations is chosen when its estimated time, ``N (c_h + κ) / c_h``
+    for data chunks of ``c_h``, is at most that of recomputing them,
+    ``N (c_r + M + 2κ) / c_r`` (in inputs' worth of work, ``κ`` a per-call
+    overhead of :data:`_CALL_OVERHEAD` inputs).
+
+    Parameters
+    ----------
+    sizes : FeatureSizes
+        From :func:`feature_sizes`.
+    n_locations : int
+        ``M``.
+    batch : int
+        The largest batch a pass sees (chunks are no larger).
+    n_groups : int
+        ``G``, the prior groups whose Grams are kept per chunk.
+    budget : int
+        Bytes.
+    hold : bool, optional
+        ``True``: the locations' features are held already (as ``fit`` chose;
+        they are the posterior's, not counted); ``False``: they are computed
+        again for every chunk; ``None``: choose (``fit``).
+
+    Returns
+    -------
+    Chunks
+
+    Raises
+    ------
+    MemoryBudgetError
+        If one input and one location do not fit, before any work.
+
+    """
+    M, C, batch = n_locations, sizes.n_outputs, max(1, batch)
+    # Locations held already (after ``fit``) are the posterior's, not working memory.
+    locations = 0.0 if hold is True else 2 * M * sizes.features
+
+    def grams(c: int) -> float:
+        return 8.0 * (2 * n_groups + 2) * (M * C) * (c * C)
+
+    def held(z: int, c: int) -> float:
+        return locations + c * sizes.transient + sizes.gram(z, c) + grams(c)
+
+    def recomputed(c: int) -> float:
+        own = c * (sizes.transient + sizes.features)
+        return own + c * sizes.transient + sizes.gram(c, c) + grams(c)
+
+    whole = max(held(M, batch), held(M, M))
+    if hold is not False and whole <= budget:
+        return Chunks(batch, M, True, int(whole), True)
+    options, smallest = [], []
+    if hold is not False:
+        smallest.append(max(held(1, 1), locations + M * sizes.transient))
+        c_h = _largest(lambda c: held(1, c) <= budget, batch)
+        if c_h and locations + M * sizes.transient <= budget:
+            z = _largest(lambda z: held(z, c_h) <= budget, M)
+            cost = (c_h + _CALL_OVERHEAD) / c_h
+            options.append((cost, Chunks(c_h, z, True, int(held(z, c_h)), False)))
+    if hold is not True:
+        smallest.append(recomputed(1))
+        c_r = _largest(lambda c: recomputed(c) <= budget, max(batch, M))
+        if c_r:
+            c = min(c_r, batch)
+            cost = (c + M + 2 * _CALL_OVERHEAD) / c
+            options.append(
+                (cost, Chunks(c, min(c_r, M), False, int(recomputed(c_r)), False))
+            )
+    if not options:
+        raise MemoryBudgetError(
+            over_budget(
+                f"ContextPosterior with {M} locations",
+                int(min(smallest)),
+                budget,
+                f"One input's features take {format_bytes(sizes.features)} "
+                f"({format_bytes(sizes.transient)} while they are computed).",
+            )
+        )
+    return min(options, key=lambda option: option[0])[1]
+
+
+def _largest(fits: Callable[[int], bool], n: int) -> int:
+    """The largest ``c`` in ``1..n`` with ``fits(c)`` (0 if none); ``fits`` monotone."""
+    lo, hi = 0, max(1, n)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def slices(n: int, chunk: int) -> list[slice]:
+    """Consecutive slices of at most ``chunk`` covering ``range(n)``."""
+    return [slice(s, min(s + chunk, n)) for s in range(0, n, max(1, chunk))]
+
+
+class ChunkedFeatures(BatchFeatures):
+    """Features of many inputs, held or computed block by block when asked.
+
+    Every product is computed one block of inputs at a time and joined, so at most
+    one block's features (besides the held ones) exist at once.
+
+    Parameters
+    ----------
+    compute : callable
+        ``slice ->`` the features of those inputs (detached, float64).
+    n_inputs : int
+        Number of inputs.
+    block : int
+        Inputs per block.
+    hold : bool
+        Compute every block once now and keep them; else compute them per use.
+    outputs : torch.Tensor, optional
+        ``(n_inputs, C)`` the network's outputs, if known; else they are
+        collected from one pass over the blocks.
+
+    """
+
+    def __init__(
+        self,
+        compute: Callable[[slice], BatchFeatures],
+        n_inputs: int,
+        block: int,
+        hold: bool,
+        outputs: torch.Tensor | None = None,
+    ) -> None:
+        self._compute = compute
+        self._slices = slices(n_inputs, block)
+        self._block = block
+        self._held: list[BatchFeatures] | None = None
+        if hold:
+            self._held = [compute(s) for s in self._slices]
+            first = self._held[0]
+            if outputs is None:
+                outputs = torch.cat([b.f for b in self._held])
+        else:
+            first = compute(self._slices[0])
+            if outputs is None:
+                rest = [compute(s).f for s in self._slices[1:]]
+                outputs = torch.cat([first.f, *rest])
+        self._kind: type[BatchFeatures] = first.kind
+        self.f = outputs
+
+    @property
+    def kind(self) -> type[BatchFeatures]:
+        """The kind of the blocks' features."""
+        return self._kind
+
+    @property
+    def held(self) -> bool:
+        """Whether the blocks are held (else computed at every use)."""
+        return self._held is not None
+
+    def blocks(self) -> Iterator[BatchFeatures]:
+        """Each block's features, held or computed now, in input order.
+
+        Yields
+        ------
+        BatchFeatures
+        """
+        if self._held is not None:
+            yield from self._held
+            return
+        for s in self._slices:
+            yield self._compute(s)
+
+    def gram(
+        self,
+        other: BatchFeatures,
+        prior_var: torch.Tensor,
+        columns: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """See :meth:`BatchFeatures.gram`."""
+        rows = []
+        for block in self.blocks():
+            if isinstance(other, ChunkedFeatures):
+                parts = [block.gram(o, prior_var, columns) for o in other.blocks()]
+                rows.append(torch.cat(parts, dim=1))
+            else:
+                rows.append(block.gram(other, prior_var, columns))
+        return torch.cat(rows)
+
+    def self_blocks(self, prior_var: torch.Tensor) -> torch.Tensor:
+        """See :meth:`BatchFeatures.self_blocks`."""
+        return torch.cat([b.self_blocks(prior_var) for b in self.blocks()])
+
+    def _joint_blocks(self, prior_var: torch.Tensor, q: int) -> torch.Tensor:
+        return torch.cat([b.joint_blocks(prior_var, q) for b in self.blocks()])
+
+    def jvp(self, vector: torch.Tensor) -> torch.Tensor:
+        """See :meth:`BatchFeatures.jvp`."""
+        return torch.cat([b.jvp(vector) for b in self.blocks()])
+
+    def ggn_diagonal(self, lam: torch.Tensor) -> torch.Tensor:
+        """See :meth:`BatchFeatures.ggn_diagonal`."""
+        total = None
+        for s, b in zip(self._slices, self.blocks()):
+            part = b.ggn_diagonal(lam[s])
+            total = part if total is None else total + part
+        assert total is not None
+        return total
+
+    def detach(self) -> ChunkedFeatures:
+        """See :meth:`BatchFeatures.detach` (the blocks are computed detached)."""
+        return self
+
+    def as_jacobians(self) -> ChunkedFeatures:
+        """The same inputs' features as Jacobians ``J``, block by block.
+
+        Returns
+        -------
+        ChunkedFeatures
+        """
+        compute = self._compute
+
+        def jacobians(s: slice) -> BatchFeatures:
+            return compute(s).as_jacobians()
+
+        n = self._slices[-1].stop if self._slices else 0
+        return ChunkedFeatures(
+            jacobians, n, self._block, self._held is not None, self.f
+        )
