@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -55,8 +56,13 @@ __all__ = [
 #: per input against 5.8 MiB counted).
 TRANSIENT_SCALE = 1.25
 
-#: Per-chunk overhead in the plan's time estimate, in inputs' worth of work.
+#: Per-chunk overhead in the plan's time model, in inputs' worth of work.
 _CALL_OVERHEAD = 4
+
+#: Writing one input's per-layer blocks for a Gram, in the plan's time model, as
+#: a share of computing its features: a data chunk's blocks are written once per
+#: block of locations, the locations' once per chunk.
+_WRITE = 0.25
 
 
 @dataclass(frozen=True)
@@ -162,10 +168,13 @@ def plan_chunks(
 ) -> Chunks:
     """The chunks of a pass over batches of up to ``batch`` inputs within ``budget``.
 
-    Holding the locations is chosen when its estimated time, ``N (c_h + κ) / c_h``
-    for data chunks of ``c_h``, is at most that of recomputing them,
-    ``N (c_r + M + 2κ) / c_r`` (in inputs' worth of work, ``κ`` a per-call
-    overhead of :data:`_CALL_OVERHEAD` inputs).
+    A time model picks among the plans that fit, per input of data and in units
+    of one input's features: holding the locations in blocks of ``z`` with data
+    chunks of ``c`` costs ``1 + M w (1/c + 1/z) + κ/c`` (every Gram writes both
+    sides' per-layer blocks, a share :data:`_WRITE` = ``w`` of the features;
+    :data:`_CALL_OVERHEAD` = ``κ`` per chunk); recomputing them for every chunk
+    ``1 + (M + 2 M w + 2κ) / c``. A model, not a measurement: it only orders
+    plans that all fit.
 
     Parameters
     ----------
@@ -194,41 +203,19 @@ def plan_chunks(
         If one input and one location do not fit, before any work.
 
     """
-    M, C, batch = n_locations, sizes.n_outputs, max(1, batch)
-    # Locations held already (after ``fit``) are the posterior's, not working memory.
-    locations = 0.0 if hold is True else 2 * M * sizes.features
-
-    def grams(c: int) -> float:
-        return 8.0 * (2 * n_groups + 2) * (M * C) * (c * C)
-
-    def held(z: int, c: int) -> float:
-        return locations + c * sizes.transient + sizes.gram(z, c) + grams(c)
-
-    def recomputed(c: int) -> float:
-        own = c * (sizes.transient + sizes.features)
-        return own + c * sizes.transient + sizes.gram(c, c) + grams(c)
-
-    whole = max(held(M, batch), held(M, M))
+    needs = _Needs(sizes, n_locations, n_groups, hold is True)
+    M, batch = n_locations, max(1, batch)
+    whole = max(needs.held(M, batch), needs.held(M, M))
     if hold is not False and whole <= budget:
         return Chunks(batch, M, True, int(whole), True)
-    options, smallest = [], []
+    options: list[tuple[float, Chunks]] = []
     if hold is not False:
-        smallest.append(max(held(1, 1), locations + M * sizes.transient))
-        c_h = _largest(lambda c: held(1, c) <= budget, batch)
-        if c_h and locations + M * sizes.transient <= budget:
-            z = _largest(lambda z: held(z, c_h) <= budget, M)
-            cost = (c_h + _CALL_OVERHEAD) / c_h
-            options.append((cost, Chunks(c_h, z, True, int(held(z, c_h)), False)))
+        options += needs.holding(batch, budget)
     if hold is not True:
-        smallest.append(recomputed(1))
-        c_r = _largest(lambda c: recomputed(c) <= budget, max(batch, M))
-        if c_r:
-            c = min(c_r, batch)
-            cost = (c + M + 2 * _CALL_OVERHEAD) / c
-            options.append(
-                (cost, Chunks(c, min(c_r, M), False, int(recomputed(c_r)), False))
-            )
+        options += needs.recomputing(batch, budget)
     if not options:
+        smallest = [needs.smallest_held()] if hold is not False else []
+        smallest += [needs.recomputed(1)] if hold is not True else []
         raise MemoryBudgetError(
             over_budget(
                 f"ContextPosterior with {M} locations",
@@ -239,6 +226,71 @@ def plan_chunks(
             )
         )
     return min(options, key=lambda option: option[0])[1]
+
+
+class _Needs:
+    """Bytes each kind of plan holds, and the plans that fit, with their costs."""
+
+    def __init__(
+        self, sizes: FeatureSizes, n_locations: int, n_groups: int, held: bool
+    ) -> None:
+        self.sizes, self.M, self.n_groups = sizes, n_locations, n_groups
+        # Locations held already (after ``fit``) are the posterior's state.
+        self.locations = 0.0 if held else 2 * n_locations * sizes.features
+
+    def grams(self, c: int) -> float:
+        """A chunk's Grams with all locations, and their whitened copies."""
+        C = self.sizes.n_outputs
+        return 8.0 * (2 * self.n_groups + 2) * (self.M * C) * (c * C)
+
+    def held(self, z: int, c: int) -> float:
+        """Locations held, blocks of ``z`` against chunks of ``c``."""
+        chunk = c * self.sizes.transient + self.sizes.gram(z, c) + self.grams(c)
+        return self.locations + chunk
+
+    def recomputed(self, c: int) -> float:
+        """Locations computed again in blocks of ``c`` for every chunk of ``c``."""
+        sizes = self.sizes
+        own = c * (sizes.transient + sizes.features)
+        return own + c * sizes.transient + sizes.gram(c, c) + self.grams(c)
+
+    def _fits_held(self, z: int, budget: int, c: int) -> bool:
+        return self.held(z, c) <= budget
+
+    def smallest_held(self) -> float:
+        """The least a plan that holds the locations needs."""
+        return max(self.held(1, 1), self.locations + self.M * self.sizes.transient)
+
+    def holding(self, batch: int, budget: int) -> list[tuple[float, Chunks]]:
+        """Plans that hold the locations, per block size that fits, with costs."""
+        M = self.M
+        if self.locations + M * self.sizes.transient > budget:
+            return []
+        options = []
+        for z in _block_sizes(M):
+            c = _largest(partial(self._fits_held, z, budget), batch)
+            if c:
+                cost = 1 + M * _WRITE * (1 / c + 1 / z) + _CALL_OVERHEAD / c
+                options.append((cost, Chunks(c, z, True, int(self.held(z, c)), False)))
+        return options
+
+    def recomputing(self, batch: int, budget: int) -> list[tuple[float, Chunks]]:
+        """The plan that recomputes the locations, if one fits, with its cost."""
+        M = self.M
+        c_r = _largest(lambda c: self.recomputed(c) <= budget, max(batch, M))
+        if not c_r:
+            return []
+        c = min(c_r, batch)
+        cost = 1 + (M + 2 * M * _WRITE + 2 * _CALL_OVERHEAD) / c
+        return [(cost, Chunks(c, min(c_r, M), False, int(self.recomputed(c_r)), False))]
+
+
+def _block_sizes(n: int) -> list[int]:
+    """``n`` and its halvings down to 1: the location blocks a plan tries."""
+    sizes = [n]
+    while sizes[-1] > 1:
+        sizes.append((sizes[-1] + 1) // 2)
+    return sizes
 
 
 def _largest(fits: Callable[[int], bool], n: int) -> int:
