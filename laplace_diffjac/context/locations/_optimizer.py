@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..._progress import progress
 from ...backends import BackendSpec, as_backend
+from ...budget import get_memory_budget
 from ...data import (
     Data,
     TrainingData,
@@ -35,6 +36,7 @@ from ...data import (
 )
 from ...jacobians._model_guard import preserved_state
 from ...kernels import PriorPrecision
+from ._budgeted_step import StepPlan, budgeted_gap, plan_step, route_sizes
 from ._evidence_steps import check_objective, optimise_evidence
 from ._gap import batch_gap
 from ._init import check_init_size, sharded_initial_locations
@@ -270,7 +272,8 @@ def _in_memory(
             X, lo, n, m, init, gen, s.max_inputs, param.device
         )
     lam = training_hessians(model, X, *hessian_args)
-    cache = TrainingCache(route, X, lam, s.cache_jacobians, s.chunk_size)
+    budget = get_memory_budget(param.device)
+    cache = TrainingCache(route, X, lam, s.cache_jacobians, s.chunk_size, budget)
     lr = (
         s.lr
         if s.lr is not None
@@ -309,8 +312,11 @@ def _optimise(
     route: Route, source: Source, Z0: torch.Tensor, lr: float, s: LocationSettings
 ) -> LocationResult:
     history = LocationHistory()
+    sizes = route_sizes(route, Z0)
+    budget = get_memory_budget(Z0.device)
+    plan = plan_step(sizes, len(Z0), s.batch_size, s.chunk_size, budget)
     if s.evaluate_full:
-        history.initial_objective = _full_gap(route, source, Z0, s)
+        history.initial_objective = _full_gap(route, source, Z0, s, plan)
     Z = Z0.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([Z], lr=lr)
     stopper = EarlyStopping(s.patience, s.rel_tol)
@@ -322,9 +328,14 @@ def _optimise(
             loss, grad, b = Z.new_zeros((), dtype=torch.float64), torch.zeros_like(Z), 0
         else:
             pieces, lam, trace = part
-            z_pieces = route.pieces(Z, graph=True)
-            loss = batch_gap(route, z_pieces, pieces, lam, trace, s.jitter)
-            (grad,) = torch.autograd.grad(loss, Z)
+            if plan.whole:
+                z_pieces = route.pieces(Z, graph=True)
+                loss = batch_gap(route, z_pieces, pieces, lam, trace, s.jitter)
+                (grad,) = torch.autograd.grad(loss, Z)
+            else:
+                loss, got = budgeted_gap(route, plan, Z, pieces, lam, trace, s.jitter)
+                assert got is not None
+                grad = got
             b = len(trace)
         value, Z.grad, _ = sync_gradient(loss, grad, b, source.n)
         optimizer.step()
@@ -337,16 +348,23 @@ def _optimise(
     bar.close()
     locations = Z.detach()
     if s.evaluate_full:
-        history.final_objective = _full_gap(route, source, locations, s)
+        history.final_objective = _full_gap(route, source, locations, s, plan)
     return LocationResult(locations, history)
 
 
 def _full_gap(
-    route: Route, source: Source, Z: torch.Tensor, s: LocationSettings
+    route: Route, source: Source, Z: torch.Tensor, s: LocationSettings, plan: StepPlan
 ) -> float:
     """The gap over all ``N`` inputs (summed over ranks)."""
     total = torch.zeros((), dtype=torch.float64, device=Z.device)
     with torch.no_grad():
+        if not plan.whole:
+            for pieces, lam, trace in source.full_local():
+                gap, _ = budgeted_gap(
+                    route, plan, Z, pieces, lam, trace, s.jitter, False
+                )
+                total += gap
+            return float(all_reduce_sum(total.reshape(1)))
         z_pieces = route.pieces(Z, graph=False)
         for pieces, lam, trace in source.full_local():
             total += batch_gap(route, z_pieces, pieces, lam, trace, s.jitter)

@@ -52,6 +52,8 @@ __all__ = [
     "Route",
     "StructuredRoute",
     "make_route",
+    "piece_tensors",
+    "with_piece_tensors",
 ]
 
 
@@ -160,6 +162,37 @@ class FactorRoute:
 
 
 Route = Union[StructuredRoute, FactorRoute, JacobianRoute]
+
+
+def piece_tensors(p: Pieces) -> list[torch.Tensor]:
+    """The floating tensors of pieces, in the order :func:`with_piece_tensors` takes.
+
+    Returns
+    -------
+    list of torch.Tensor
+    """
+    if isinstance(p, torch.Tensor):
+        return [p]
+    if isinstance(p, JacobianFactors):
+        return p.float_tensors()
+    return [*p.inputs, *(g for g in p.signals if g is not None)]
+
+
+def with_piece_tensors(p: Pieces, tensors: Sequence[torch.Tensor]) -> Pieces:
+    """The same pieces made of ``tensors`` (as :func:`piece_tensors` lists them).
+
+    Returns
+    -------
+    NTKFeatures, JacobianFactors or torch.Tensor
+    """
+    if isinstance(p, torch.Tensor):
+        return tensors[0]
+    if isinstance(p, JacobianFactors):
+        return p.with_tensors(tensors)
+    supply = iter(tensors)
+    inputs = tuple(next(supply) for _ in p.inputs)
+    signals = tuple(None if g is None else next(supply) for g in p.signals)
+    return NTKFeatures(inputs, signals, p.weight, p.bias, p.n_outputs)
 
 
 def _factors(p: Pieces) -> JacobianFactors:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ...budget import get_memory_budget
 from ...data import (
     TrainingData,
     all_reduce_sum,
@@ -26,6 +27,7 @@ from ...data import (
     rank,
     world_size,
 )
+from ._budgeted_step import feature_chunk, route_sizes
 from ._gap import pieces_trace
 from ._init import kmeans
 from ._minibatches import Batch, stream_seed
@@ -197,10 +199,15 @@ class StreamSource:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.iterator: Iterator[torch.Tensor] | None = None
+        self.chunk: int | None = None
 
     def _batch(self, xb: torch.Tensor) -> Batch:
         likelihood, sigma, temperature, chunk = self.args
         xb = xb.to(self.device)
+        if self.chunk is None:  # the budget's chunks, sized on the first batch
+            budget = get_memory_budget(self.device)
+            self.chunk = feature_chunk(route_sizes(self.route, xb), chunk, budget)
+        chunk = self.chunk
         lam = training_hessians(self.model, xb, likelihood, sigma, temperature, chunk)
         pieces = [self.route.pieces(xc, graph=False) for xc in torch.split(xb, chunk)]
         traces = [

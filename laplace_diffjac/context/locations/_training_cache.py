@@ -2,8 +2,8 @@
 
 ``Λₙ`` and ``tr(Λₙ k(xₙ, xₙ))`` do not depend on the locations and are always
 kept (``N (C² + 1)`` numbers); the training side's kernel pieces (per-layer
-features or Jacobians) are kept when they fit, so that a step costs the same for
-any ``N``.
+features or Jacobians) are kept when they fit in a quarter of the memory budget
+(:mod:`laplace_diffjac.budget`), so that a step costs the same for any ``N``.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from torch import nn
 
 from ...jacobians._engine import JacobianFactors
 from ...kernels import output_hessians
+from ._budgeted_step import feature_chunk, route_sizes
 from ._gap import pieces_trace
 from ._routes import Pieces, Route
 
 __all__ = ["TrainingCache", "training_hessians"]
 
-_CACHE_BYTES = 512 * 2**20
 _F64 = torch.float64
 
 
@@ -75,10 +75,13 @@ class TrainingCache:
     hessians : torch.Tensor
         ``Λₙ`` ``(N, C, C)`` float64 (:func:`training_hessians`).
     keep : bool, optional
-        Keep the pieces of all ``N`` inputs; ``None``: if they take at most
-        512 MiB (estimated from the first chunk).
+        Keep the pieces of all ``N`` inputs; ``None``: if they take at most a
+        quarter of ``budget`` (estimated from the first chunk).
     chunk_size : int
-        Inputs whose pieces are computed at once.
+        Inputs whose pieces are computed at once, at most (fewer where a
+        quarter of ``budget`` holds fewer while they are computed).
+    budget : int
+        The memory budget in bytes (:func:`laplace_diffjac.budget.get_memory_budget`).
 
     """
 
@@ -89,22 +92,27 @@ class TrainingCache:
         hessians: torch.Tensor,
         keep: bool | None,
         chunk_size: int,
+        budget: int,
     ) -> None:
         self.route, self.X, self.hessians = route, X, hessians
+        if len(X):
+            sizes = route_sizes(route, X[:2].to(hessians.device))
+            chunk_size = feature_chunk(sizes, chunk_size, budget)
         self.chunk_size = chunk_size
+        limit = budget / 4
         self.device = hessians.device
         self.pieces: Pieces | None = None
         kept: list[Pieces] = []
         traces = []
         for xc, lam in zip(
-            torch.split(X, chunk_size), torch.split(hessians, chunk_size)
+            torch.split(X, self.chunk_size), torch.split(hessians, self.chunk_size)
         ):
             if xc.shape[0] == 0:
                 continue
             p = route.pieces(xc.to(self.device), graph=False)
             traces.append(pieces_trace(route, p, lam))
             if keep is None:
-                keep = _nbytes(p) * X.shape[0] / xc.shape[0] <= _CACHE_BYTES
+                keep = _nbytes(p) * X.shape[0] / xc.shape[0] <= limit
             if keep:
                 kept.append(p)
         self.trace_nn = (

@@ -7,16 +7,13 @@ chunks of ``c`` inputs and the locations in blocks of ``z`` locations. What one
 step holds at once is counted before any work:
 
 * a chunk's features while they are computed (the engine's activations and
-  signals): ``c t`` with ``t`` the features of one input with their autograd
-  graph, as :func:`laplace_diffjac.kernels._budgeted.probe` counts them, times
-  :data:`TRANSIENT_SCALE`;
+  signals): ``c t``, ``t`` as :mod:`laplace_diffjac.kernels._feature_sizes`
+  estimates it;
 * the locations' features: held (``2 M f``: the blocks and their concatenation,
   ``f`` the features of one input) or, when they do not fit, recomputed block by
   block for every chunk (``z (t + f)``);
-* one Gram of ``z`` locations and ``c`` inputs: what
-  :func:`~laplace_diffjac.kernels._factor_gram.gram_working_bytes` counts for
-  the per-layer factors (from one input's factors, expanded to those batch
-  sizes), or the prior-scaled copy of the Jacobians and the Gram for ``J``;
+* one Gram of ``z`` locations and ``c`` inputs (its working memory, counted
+  from shapes: :class:`~laplace_diffjac.kernels._feature_sizes.FeatureSizes`);
 * the chunk's Grams with all locations and their whitened copies,
   ``(2 G + 2) (M C) (c C)`` numbers for ``G`` prior groups.
 
@@ -33,28 +30,12 @@ from functools import partial
 
 import torch
 
-from ...backends import JacobianBackend
 from ...budget import format_bytes, over_budget
 from ...errors import MemoryBudgetError
-from ...kernels import factor_route_applies
-from ...kernels._factor_gram import gram_working_bytes
-from ...kernels._ntk import _budget_route, _costs
-from ._features import BatchFeatures, batch_features
+from ...kernels._feature_sizes import FeatureSizes
+from ._features import BatchFeatures
 
-__all__ = [
-    "TRANSIENT_SCALE",
-    "ChunkedFeatures",
-    "Chunks",
-    "FeatureSizes",
-    "feature_sizes",
-    "plan_chunks",
-]
-
-#: A chunk's peak while its features are computed without a graph, as a multiple
-#: of what its features hold with their graph (measured on the CIFAR ResNet of
-#: ``benchmarks/context_posterior/context_budget.py``: 6.7 MiB of resident memory
-#: per input against 5.8 MiB counted).
-TRANSIENT_SCALE = 1.25
+__all__ = ["ChunkedFeatures", "Chunks", "plan_chunks", "slices"]
 
 #: Per-chunk overhead in the plan's time model, in inputs' worth of work.
 _CALL_OVERHEAD = 4
@@ -63,73 +44,6 @@ _CALL_OVERHEAD = 4
 #: a share of computing its features: a data chunk's blocks are written once per
 #: block of locations, the locations' once per chunk.
 _WRITE = 0.25
-
-
-@dataclass(frozen=True)
-class FeatureSizes:
-    """What one input's features hold, and a Gram's working memory, in bytes.
-
-    Attributes
-    ----------
-    features : float
-        One input's features, held without graph.
-    transient : float
-        One input's share of the peak while features are computed.
-    gram : callable
-        ``(b1, b2) ->`` bytes a Gram of ``b1 × b2`` inputs holds beyond its operands.
-    n_outputs : int
-        ``C``.
-
-    """
-
-    features: float
-    transient: float
-    gram: Callable[[int, int], int]
-    n_outputs: int
-
-
-def feature_sizes(
-    backend: JacobianBackend, x: torch.Tensor, structured: bool
-) -> FeatureSizes:
-    """Measure :class:`FeatureSizes` on the first (one or two) inputs of ``x``.
-
-    Parameters
-    ----------
-    backend : JacobianBackend
-        The posterior's compute backend.
-    x : torch.Tensor
-        ``(b, *input_shape)`` in the backend model's dtype and device, ``b ≥ 1``.
-    structured : bool
-        Per-layer factors where the backend has them (as :func:`batch_features`).
-
-    Returns
-    -------
-    FeatureSizes
-
-    """
-    factors = structured and factor_route_applies(backend)
-    route = _budget_route(backend, factors, torch.float64)
-    prior_var = torch.ones((), dtype=torch.float64, device=x.device)
-    costs = _costs(backend, route, x[:2], prior_var, factors, torch.float64)
-    with torch.no_grad():
-        one = batch_features(backend, x[:1], False, structured)
-    C = one.n_outputs
-    if factors:
-        parts = one.parts  # type: ignore[attr-defined]
-        params = list(backend.params)
-
-        def gram(b1: int, b2: int) -> int:
-            left, right = parts.expanded(b1), parts.expanded(b2)
-            return gram_working_bytes(left, right, params, prior_var)
-
-    else:
-        width = one.J.shape[-1]  # type: ignore[attr-defined]
-
-        def gram(b1: int, b2: int) -> int:
-            return 8 * (b1 * C * width + 2 * b1 * b2 * C * C)
-
-    transient = max(costs.graph, costs.features) * TRANSIENT_SCALE
-    return FeatureSizes(costs.features, transient, gram, C)
 
 
 @dataclass(frozen=True)

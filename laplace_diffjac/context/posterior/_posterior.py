@@ -41,15 +41,9 @@ from ...data import (
 )
 from ...errors import InvalidInputError, MemoryBudgetError
 from ...kernels import PriorPrecision
+from ...kernels._feature_sizes import FeatureSizes, feature_sizes
 from . import _tuning
-from ._chunks import (
-    ChunkedFeatures,
-    Chunks,
-    FeatureSizes,
-    feature_sizes,
-    plan_chunks,
-    slices,
-)
+from ._chunks import ChunkedFeatures, Chunks, plan_chunks, slices
 from ._data_pass import accumulate, compute_copy, sync_copy
 from ._dual_mean import check_predictive_mean, dual_mean
 from ._evidence import evidence_terms, log_likelihood

@@ -18,11 +18,8 @@ from torch import nn
 
 import laplace_diffjac
 from laplace_diffjac import ContextPosterior, DiffBackPackGGN, DiffFuncGGN
-from laplace_diffjac.context.posterior._chunks import (
-    ChunkedFeatures,
-    feature_sizes,
-    plan_chunks,
-)
+from laplace_diffjac.context.posterior._chunks import ChunkedFeatures, plan_chunks
+from laplace_diffjac.kernels._feature_sizes import feature_sizes
 
 F64 = torch.float64
 

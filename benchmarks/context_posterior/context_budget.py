@@ -1,0 +1,276 @@
+"""``ContextPosterior`` on a CIFAR ResNet within the memory budget, against its floor.
+
+Rows: ``fit`` over ``N`` random 3 × 32 × 32 images (batches of 256, classification,
+float64 sums), one prediction at 64 test inputs and the evidence, for ``M``
+locations and three budgets (``none``: 1 TiB; ``default``: 2 GiB on a CPU;
+``512 MiB``), each in a fresh process with two threads; its added peak is the
+resident high-water mark above its value before ``fit``. Each row's predictive
+variance and evidence are compared with the same ``M``'s ``none`` row.
+
+The floor (issue #42): one Jacobian pass over the data (``DiffBackPackGGN.jacobians``
+on 16 images, in chunks of 8, scaled to ``N``) plus ``P M C²`` multiply-adds per
+data point for ``K(Z, X)``, at the float64 matmul rate measured in the same
+process (a 2048² product). ``fit / floor`` below 1 means the per-layer factors
+beat the contraction the floor counts.
+
+Run: ``python benchmarks/context_posterior/context_budget.py [--quick]
+[--locations 16 64] [--n-data 512]``; results go to ``context_budget.json`` and
+``CONTEXT_BUDGET.md`` beside this script (``--quick``: only where ``--out`` says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+BUDGETS = ("none", "default", "512 MiB")
+
+
+def build(quick: bool):
+    """The seeded model: torchvision's ResNet, one BasicBlock per stage, no norm."""
+    import torch
+    from torch import nn
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    if quick:
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 10),
+        ).eval()
+    return ResNet(
+        BasicBlock, [1, 1, 1, 1], num_classes=10, norm_layer=nn.Identity
+    ).eval()
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _data(cfg: dict):
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    size = 8 if cfg["quick"] else 32
+    x = torch.randn(cfg["n_data"], 3, size, size, generator=gen)
+    y = torch.randint(0, 10, (cfg["n_data"],), generator=gen)
+    xs = torch.randn(64, 3, size, size, generator=gen)
+    return x, y, x[: cfg["locations"]].clone(), xs
+
+
+def measure_row(cfg: dict) -> dict:
+    """One posterior row in this process."""
+    import torch
+
+    from laplace_diffjac import ContextPosterior
+    from laplace_diffjac.budget import memory_budget
+
+    torch.set_num_threads(cfg["threads"])
+    model = build(cfg["quick"])
+    x, y, z, xs = _data(cfg)
+    budget = {"default": None, "none": "1 TiB"}.get(cfg["budget"], cfg["budget"])
+    row = {k: cfg[k] for k in ("locations", "budget", "n_data")}
+    try:
+        with memory_budget(budget):
+            cp = ContextPosterior(model, "classification", z)
+            Path("/proc/self/clear_refs").write_text("5")
+            base = _rss_kib("VmRSS")
+            start = time.perf_counter()
+            cp.fit((x, y))
+            row["fit_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            _, var = cp._glm_predictive_distribution(xs)
+            row["predict_s"] = time.perf_counter() - start
+            evidence = cp.log_marginal_likelihood()
+        row["peak_gib"] = max(_rss_kib("VmHWM") - base, 0) / 2**20
+        chunks = cp._chunks
+        assert chunks is not None
+        row["plan"] = (
+            "whole"
+            if chunks.whole
+            else f"chunks of {chunks.data}, locations in blocks of {chunks.locations}"
+            f" ({'held' if chunks.hold_locations else 'recomputed'})"
+        )
+        torch.save({"var": var, "evidence": evidence.detach()}, cfg["result"])
+    except Exception as exc:  # noqa: BLE001 (a failure is a result)
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:300]
+    return row
+
+
+def measure_floor(cfg: dict) -> dict:
+    """The floor's pieces in this process: matmul rate, one Jacobian pass."""
+    import torch
+
+    from laplace_diffjac import DiffBackPackGGN
+
+    torch.set_num_threads(cfg["threads"])
+    a = torch.randn(2048, 2048, dtype=torch.float64)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(3):
+        a @ a
+    rate = 3 * 2 * 2048**3 / (time.perf_counter() - start)
+    model = build(cfg["quick"]).double()
+    backend = DiffBackPackGGN(model, "classification")
+    x, _, _, _ = _data(dict(cfg, n_data=16, locations=1))
+    x = x.double()
+    backend.jacobians(x[:2], enable_backprop=False)
+    start = time.perf_counter()
+    for chunk in x.split(8):
+        backend.jacobians(chunk, enable_backprop=False)
+    per_input = (time.perf_counter() - start) / len(x)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"flops_per_s": rate, "jacobian_s_per_input": per_input, "P": n_params}
+
+
+def _fresh(cfg: dict, timeout: float) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        return dict(cfg, error=f"timeout: past {timeout:.0f} s")
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or [""])[-1]
+        return dict(cfg, error=f"process exited {proc.returncode}: {tail}"[:300])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _floor_s(floor: dict, row: dict, n_outputs: int = 10) -> float:
+    """Seconds of one Jacobian pass over the data plus ``N P M C²`` at the rate."""
+    n, m = row["n_data"], row["locations"]
+    contraction = 2 * n * floor["P"] * m * n_outputs**2 / floor["flops_per_s"]
+    return n * floor["jacobian_s_per_input"] + contraction
+
+
+def _compare(rows: list[dict], results: dict) -> None:
+    """Each row's largest relative difference to its ``M``'s ``none`` row."""
+    for row in rows:
+        ref = results.get((row["locations"], "none"))
+        got = results.get((row["locations"], row["budget"]))
+        if ref is None or got is None:
+            continue
+        diffs = [
+            float((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-300))
+            for k in ("var", "evidence")
+        ]
+        row["rel_diff"] = max(diffs)
+
+
+def report(results: dict) -> str:
+    """The Markdown table of ``results``."""
+    meta, floor = results["meta"], results["floor"]
+    lines = [
+        "# `ContextPosterior` on a CIFAR ResNet within the memory budget",
+        "",
+        f"Generated by `python benchmarks/context_posterior/context_budget.py`: "
+        f"torchvision's ResNet (one BasicBlock per stage, no batch norm, 10 classes, "
+        f"P = {floor['P']:,}), random 3 × 32 × 32 images, classification, float64, "
+        f"{meta['threads']} threads, torch {meta['torch']}, {meta['machine']}, "
+        f"{meta['date']}. Each row a fresh process; peak: resident memory above its "
+        "value before `fit`. The floor: one Jacobian pass over the data "
+        f"({floor['jacobian_s_per_input']:.3f} s an image, measured on 16) plus "
+        "P·M·C² multiply-adds per image at the float64 matmul rate measured in "
+        f"the same run ({floor['flops_per_s'] / 1e9:.1f} GFLOP/s). `rel. diff`: the "
+        "largest relative difference of the predictive variance and the evidence "
+        "to the same M's `none` row.",
+        "",
+        "| M | N | budget | plan | fit s | floor s | fit / floor | predict 64 s "
+        "| peak GiB | rel. diff |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results["rows"]:
+        if "error" in row:
+            lines.append(
+                f"| {row['locations']} | {row['n_data']} | {row['budget']} | "
+                f"{row['error']} | – | – | – | – | – | – |"
+            )
+            continue
+        floor_s = _floor_s(floor, row)
+        lines.append(
+            f"| {row['locations']} | {row['n_data']} | {row['budget']} | "
+            f"{row['plan']} | {row['fit_s']:.1f} | {floor_s:.1f} | "
+            f"{row['fit_s'] / floor_s:.2f} | {row['predict_s']:.2f} | "
+            f"{row['peak_gib']:.2f} | {row.get('rel_diff', 0.0):.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the rows, each in a fresh process, and write the JSON and the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--locations", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--n-data", type=int, default=512)
+    parser.add_argument("--budgets", nargs="+", default=list(BUDGETS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.worker:
+        cfg = json.loads(args.worker)
+        row = measure_floor(cfg) if cfg.get("floor") else measure_row(cfg)
+        print(json.dumps(row))
+        return row
+    import tempfile
+
+    import torch
+
+    base = {"quick": args.quick, "threads": args.threads, "n_data": args.n_data}
+    if args.quick:
+        base["n_data"] = min(args.n_data, 24)
+    floor = _fresh(dict(base, floor=True), args.timeout)
+    rows, results = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        sizes = sorted({min(m, 4) for m in args.locations}) if args.quick else None
+        for m in sizes or args.locations:
+            for budget in args.budgets:
+                result = str(Path(tmp) / f"{m}-{budget}.pt")
+                cfg = dict(base, locations=m, budget=budget, result=result)
+                row = _fresh(cfg, args.timeout)
+                row.pop("result", None)
+                rows.append(row)
+                if "error" not in row:
+                    results[(m, budget)] = torch.load(result)
+                print(json.dumps(row), flush=True)
+        _compare(rows, results)
+    out = {
+        "meta": {
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "date": time.strftime("%Y-%m-%d"),
+            "quick": args.quick,
+        },
+        "floor": floor,
+        "rows": rows,
+    }
+    target = args.out or (None if args.quick else HERE / "context_budget.json")
+    if target is not None:
+        target.write_text(json.dumps(out, indent=1) + "\n")
+        if not args.quick:
+            (HERE / "CONTEXT_BUDGET.md").write_text(report(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

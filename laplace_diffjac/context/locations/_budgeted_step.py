@@ -1,0 +1,339 @@
+"""A location step within the memory budget: Grams without a graph, then recomputation.
+
+A step's objective, the minibatch's Nyström gap
+``G(Z) = Σₙ tr(Λₙ kₙₙ) − explained_trace(K_ZZ, K_ZX, Λ)`` (:mod:`._gap`),
+depends on the locations only through ``K_ZZ`` and ``K_ZX``. Computed with their
+graphs, the locations' features and every Gram's saved intermediates are held
+until the backward pass: tens of GiB on a CIFAR ResNet-18. When that does not fit
+the memory budget (:mod:`laplace_diffjac.budget`), a step instead
+
+1. computes ``K_ZZ`` and ``K_ZX`` without a graph, the locations in blocks of
+   ``z`` (their features held without a graph when they fit, else computed
+   again for each use);
+2. differentiates ``G`` with ``K_ZZ`` and ``K_ZX`` as leaves, giving ``∂G/∂K``
+   (``(MC)²`` and ``MC × bC`` numbers);
+3. for each block of locations, computes its features again with their graph,
+   sends ``⟨∂G/∂K, K⟩`` to those features (as leaves) one column block at a time
+   (the other blocks of locations with weight ``∂G/∂K_ZZ + ∂G/∂K_ZZᵀ``, the
+   minibatch's chunks with ``∂G/∂K_ZX``), and then runs one backward pass from
+   the features to the block's locations.
+
+Value and gradient are the whole step's, summed in another order; the cost is a
+second pass over the locations' features (a third where they are not held).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from ...budget import format_bytes, over_budget
+from ...errors import MemoryBudgetError
+from ...jacobians._engine import JacobianFactors
+from ...kernels import explained_trace
+from ...kernels._feature_sizes import FeatureSizes, feature_sizes
+from ._routes import JacobianRoute, Pieces, Route, piece_tensors, with_piece_tensors
+
+__all__ = ["StepPlan", "budgeted_gap", "feature_chunk", "plan_step", "route_sizes"]
+
+_F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a step is computed within the budget.
+
+    Attributes
+    ----------
+    block : int
+        Locations per block.
+    hold : bool
+        The locations' features (without graph) are held through the step.
+    whole : bool
+        Everything at once with its graph (the unbudgeted step).
+    needs : int
+        Bytes held at once, as counted.
+
+    """
+
+    block: int
+    hold: bool
+    whole: bool
+    needs: int
+
+
+def plan_step(
+    sizes: FeatureSizes, n_locations: int, batch: int, chunk: int, budget: int
+) -> StepPlan:
+    """The largest blocks of locations whose step fits ``budget`` bytes.
+
+    Counted: the step's ``(MC)²`` and ``MC × bC`` matrices and their gradients
+    (four of each), the minibatch's features, and per plan the locations'
+    features (with their graph for the whole step; without, held or recomputed,
+    otherwise) and the Grams' working memory (every Gram's, kept for the backward
+    pass, in the whole step; one block's at a time otherwise).
+
+    Parameters
+    ----------
+    sizes : FeatureSizes
+        Of the route's features.
+    n_locations : int
+        ``M``.
+    batch : int
+        The minibatch's inputs ``b``.
+    chunk : int
+        Inputs per chunk of the minibatch's features.
+    budget : int
+        Bytes.
+
+    Returns
+    -------
+    StepPlan
+
+    Raises
+    ------
+    MemoryBudgetError
+        If a block of one location does not fit.
+
+    """
+    M, C = n_locations, sizes.n_outputs
+    chunk = max(1, min(chunk, batch))
+    fixed = 8.0 * 4 * (M * C) * (M * C + batch * C) + batch * sizes.features
+    whole = fixed + M * sizes.graph + sizes.gram(M, M) + sizes.gram(M, batch)
+    if whole <= budget:
+        return StepPlan(M, True, True, int(whole))
+
+    def needs(z: int, hold: bool) -> float:
+        held = M * sizes.features if hold else z * (sizes.transient + sizes.features)
+        rows = z * (sizes.graph + sizes.features + sizes.transient)
+        return fixed + held + rows + sizes.gram(z, max(z, chunk))
+
+    for hold in (True, False):
+        z = _largest(partial(_fits, needs, hold, budget), M)
+        if z:
+            return StepPlan(z, hold, False, int(needs(z, hold)))
+    raise MemoryBudgetError(
+        over_budget(
+            f"A location step with {M} locations and a minibatch of {batch}",
+            int(needs(1, False)),
+            budget,
+            f"One input's features take {format_bytes(sizes.features)} "
+            f"({format_bytes(sizes.graph)} with their graph); the step's matrices "
+            f"{format_bytes(fixed)}. Fewer locations or a smaller batch_size fit.",
+        )
+    )
+
+
+def route_sizes(route: Route, x: torch.Tensor) -> FeatureSizes:
+    """:class:`FeatureSizes` of a route's pieces, measured on ``x[:2]``.
+
+    The structured route's features are counted as the per-layer factors they
+    are a special case of (where the backend has factors), else as Jacobians.
+
+    Returns
+    -------
+    FeatureSizes
+    """
+    return feature_sizes(route.backend, x[:2], not isinstance(route, JacobianRoute))
+
+
+def feature_chunk(sizes: FeatureSizes, chunk: int, budget: int) -> int:
+    """Inputs per chunk of features computed without graph: a quarter of the budget.
+
+    Returns
+    -------
+    int
+        At most ``chunk``, at least 1.
+    """
+    return max(1, min(chunk, int(budget / 4 // max(sizes.transient, 1.0))))
+
+
+def _fits(needs: Callable[[int, bool], float], hold: bool, budget: int, z: int) -> bool:
+    return needs(z, hold) <= budget
+
+
+def _largest(fits: Callable[[int], bool], n: int) -> int:
+    """The largest ``c`` in ``1..n`` with ``fits(c)`` (0 if none); ``fits`` monotone."""
+    lo, hi = 0, max(1, n)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _Blocks:
+    """The locations in blocks: their features without graph, held or recomputed."""
+
+    def __init__(self, route: Route, Z: torch.Tensor, plan: StepPlan) -> None:
+        self.route, self.Z = route, Z
+        self.slices = [
+            slice(s, min(s + plan.block, len(Z))) for s in range(0, len(Z), plan.block)
+        ]
+        self.held: list[Pieces] | None = None
+        if plan.hold:
+            self.held = [self._compute(s) for s in self.slices]
+
+    def _compute(self, where: slice) -> Pieces:
+        with torch.no_grad():
+            return self.route.pieces(self.Z[where], graph=False)
+
+    def get(self, j: int) -> Pieces:
+        """Block ``j``'s features."""
+        return self.held[j] if self.held is not None else self._compute(self.slices[j])
+
+
+def _rows(where: slice, C: int) -> slice:
+    return slice(where.start * C, where.stop * C)
+
+
+def _grams(
+    blocks: _Blocks, pieces: Sequence[Pieces], C: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``K_ZZ`` ``(MC, MC)`` and ``K_ZX`` ``(MC, bC)`` without a graph, by blocks."""
+    route, n = blocks.route, len(blocks.Z) * C
+    K_zz: torch.Tensor | None = None
+    rows = []
+    with torch.no_grad():
+        for i, si in enumerate(blocks.slices):
+            Fi = blocks.get(i)
+            for j in range(i + 1):
+                sj = blocks.slices[j]
+                block = (
+                    route.self_gram(Fi) if i == j else route.cross(Fi, blocks.get(j))
+                )
+                if K_zz is None:
+                    K_zz = block.new_zeros(n, n)
+                K_zz[_rows(si, C), _rows(sj, C)] = block
+                if i != j:
+                    K_zz[_rows(sj, C), _rows(si, C)] = block.mT
+            rows.append(torch.cat([route.cross(Fi, p) for p in pieces], dim=1))
+    assert K_zz is not None
+    return K_zz, torch.cat(rows)
+
+
+def budgeted_gap(
+    route: Route,
+    plan: StepPlan,
+    Z: torch.Tensor,
+    pieces: Sequence[Pieces],
+    hessians: torch.Tensor,
+    trace_nn: torch.Tensor,
+    jitter: float,
+    grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The minibatch's Nyström gap and its gradient in ``Z``, by blocks of locations.
+
+    Parameters
+    ----------
+    route : StructuredRoute, FactorRoute or JacobianRoute
+        How pieces are computed and contracted.
+    plan : StepPlan
+        From :func:`plan_step`.
+    Z : torch.Tensor
+        ``(M, *input_shape)`` the locations.
+    pieces : sequence of pieces
+        The minibatch's pieces, in consecutive chunks (without graph).
+    hessians : torch.Tensor
+        ``Λₙ`` ``(b, C, C)``.
+    trace_nn : torch.Tensor
+        ``tr(Λₙ k(xₙ, xₙ))`` ``(b,)``.
+    jitter : float
+        Relative jitter of ``K_ZZ``.
+    grad : bool, default=True
+        Also compute the gradient in ``Z``.
+
+    Returns
+    -------
+    loss : torch.Tensor
+        Scalar, float64, without graph.
+    grad : torch.Tensor or None
+        ``∂loss/∂Z``, like ``Z``.
+
+    """
+    Zd = Z.detach()
+    C = int(hessians.shape[-1])
+    blocks = _Blocks(route, Zd, plan)
+    K_zz, K_zx = _grams(blocks, pieces, C)
+    lam = hessians.to(_F64)
+    if not grad:
+        return trace_nn.sum() - explained_trace(K_zz, K_zx, lam, jitter), None
+    K_zz.requires_grad_()
+    K_zx.requires_grad_()
+    with torch.enable_grad():
+        loss = trace_nn.sum() - explained_trace(K_zz, K_zx, lam, jitter)
+        G_zz, G_zx = torch.autograd.grad(loss, [K_zz, K_zx])
+    del K_zz, K_zx
+    weights_zz = G_zz + G_zz.mT
+    del G_zz
+    gradient = torch.zeros_like(Zd)
+    for i, si in enumerate(blocks.slices):
+        gradient[si] = _block_gradient(
+            blocks, i, weights_zz[_rows(si, C)], G_zx[_rows(si, C)], pieces, C
+        )
+    return loss.detach(), gradient
+
+
+def _block_gradient(
+    blocks: _Blocks,
+    i: int,
+    weights_zz: torch.Tensor,
+    weights_zx: torch.Tensor,
+    pieces: Sequence[Pieces],
+    C: int,
+) -> torch.Tensor:
+    """``∂⟨W, K(Z_i, ·)⟩/∂Z_i`` for block ``i``: its features recomputed with graph."""
+    route = blocks.route
+    zi = blocks.Z[blocks.slices[i]].detach().requires_grad_()
+    with torch.enable_grad():
+        features = route.pieces(zi, graph=True)
+    tensors = piece_tensors(features)
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+    leafy = with_piece_tensors(features, leaves)
+    targets = [leaf for leaf in leaves if leaf.requires_grad]
+    sums: list[torch.Tensor | None] = [None] * len(targets)
+
+    def send(weight: torch.Tensor, other: Pieces) -> None:
+        with torch.enable_grad():
+            block = route.cross(leafy, other)
+            scalar = (weight * block).sum()
+        if not scalar.requires_grad:
+            return
+        got = torch.autograd.grad(scalar, targets, allow_unused=True)
+        for k, g in enumerate(got):
+            if g is not None:
+                held = sums[k]
+                sums[k] = g if held is None else held + g
+
+    for j, sj in enumerate(blocks.slices):
+        send(weights_zz[:, _rows(sj, C)], blocks.get(j))
+    start = 0
+    for p in pieces:
+        width = _inputs(p) * C
+        send(weights_zx[:, start : start + width], p)
+        start += width
+    outs = [
+        (t, g)
+        for t, g in zip([t for t in tensors if t.requires_grad], sums)
+        if g is not None
+    ]
+    if not outs:
+        return torch.zeros_like(zi)
+    (g,) = torch.autograd.grad(
+        [t for t, _ in outs], zi, [g for _, g in outs], allow_unused=True
+    )
+    return torch.zeros_like(zi) if g is None else g
+
+
+def _inputs(p: Pieces) -> int:
+    """Number of inputs of pieces."""
+    if isinstance(p, torch.Tensor):
+        return int(p.shape[0])
+    if isinstance(p, JacobianFactors):
+        return p.batch
+    return len(p)

@@ -1,0 +1,106 @@
+"""What one input's kernel features hold, and what a Gram of two batches works in.
+
+The memory budget (:mod:`laplace_diffjac.budget`) is met by sizing chunks from
+these counts, taken once per model and input layout on one or two inputs:
+
+* ``features``: one input's features (the engine's per-layer factors, or its
+  Jacobian ``J``) held without a graph;
+* ``graph``: the same with the autograd graph that computes them (what a
+  gradient in the input keeps), as :func:`._budgeted.probe` counts it;
+* ``transient``: one input's share of the peak while features are computed
+  without a graph (the engine's activations and signals), estimated as
+  ``graph`` times :data:`TRANSIENT_SCALE`;
+* ``gram(b1, b2)``: what a Gram of ``b1 × b2`` inputs holds beyond its operands,
+  counted from shapes: :func:`._factor_gram.gram_working_bytes` on one input's
+  factors expanded to those batch sizes, or for ``J`` the prior-scaled copy of
+  the first batch's Jacobians and the Gram.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..backends import JacobianBackend
+from ._factor_gram import gram_working_bytes
+from ._ntk import _budget_route, _costs, factor_route_applies
+
+__all__ = ["TRANSIENT_SCALE", "FeatureSizes", "feature_sizes"]
+
+#: A chunk's peak while its features are computed without a graph, as a multiple
+#: of what its features hold with their graph (measured on the CIFAR ResNet of
+#: ``benchmarks/context_posterior/context_budget.py``: 6.7 MiB of resident memory
+#: per input against 5.8 MiB counted).
+TRANSIENT_SCALE = 1.25
+
+
+@dataclass(frozen=True)
+class FeatureSizes:
+    """What one input's features hold, and a Gram's working memory, in bytes.
+
+    Attributes
+    ----------
+    features : float
+        One input's features, held without graph.
+    graph : float
+        One input's features with the graph that computes them.
+    transient : float
+        One input's share of the peak while features are computed.
+    gram : callable
+        ``(b1, b2) ->`` bytes a Gram of ``b1 × b2`` inputs holds beyond its operands.
+    n_outputs : int
+        ``C``.
+
+    """
+
+    features: float
+    graph: float
+    transient: float
+    gram: Callable[[int, int], int]
+    n_outputs: int
+
+
+def feature_sizes(
+    backend: JacobianBackend, x: torch.Tensor, factors: bool
+) -> FeatureSizes:
+    """Measure :class:`FeatureSizes` on the first (one or two) inputs of ``x``.
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        The backend whose features are counted.
+    x : torch.Tensor
+        ``(b, *input_shape)`` in the backend model's dtype and device, ``b ≥ 1``.
+    factors : bool
+        Per-layer factors where the backend has them; else Jacobians.
+
+    Returns
+    -------
+    FeatureSizes
+
+    """
+    factors = factors and factor_route_applies(backend)
+    route = _budget_route(backend, factors, torch.float64)
+    prior_var = torch.ones((), dtype=torch.float64, device=x.device)
+    costs = _costs(backend, route, x[:2], prior_var, factors, torch.float64)
+    with torch.no_grad():
+        one = route.features(x[:1])
+    if factors:
+        parts = one
+        C = parts.n_rows
+        params = list(backend.params)
+
+        def gram(b1: int, b2: int) -> int:
+            left, right = parts.expanded(b1), parts.expanded(b2)
+            return gram_working_bytes(left, right, params, prior_var)
+
+    else:
+        C, width = one.shape[1], one.shape[-1]
+
+        def gram(b1: int, b2: int) -> int:
+            return 8 * (b1 * C * width + 2 * b1 * b2 * C * C)
+
+    transient = max(costs.graph, costs.features) * TRANSIENT_SCALE
+    return FeatureSizes(costs.features, costs.graph, transient, gram, C)

@@ -1,0 +1,160 @@
+"""A location step within the memory budget gives the whole step's value and gradient.
+
+For plans that hold the locations' features in blocks, or compute them again
+for every use (given, and as small budgets choose them), the minibatch's
+Nyström gap and its gradient in ``Z`` equal a float64 reference built from
+per-sample autograd Jacobians (an independent route), to 1e-10, on all three
+routes (structured features, per-layer factors, Jacobians);
+``optimize_locations`` under such a budget takes the unbudgeted run's steps. A
+budget that not even one location fits is refused before any step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import laplace_diffjac
+from laplace_diffjac import DiffBackPackGGN
+from laplace_diffjac.context import optimize_locations
+from laplace_diffjac.context.locations._budgeted_step import (
+    StepPlan,
+    budgeted_gap,
+    plan_step,
+    route_sizes,
+)
+from laplace_diffjac.context.locations._gap import pieces_trace
+from laplace_diffjac.context.locations._routes import (
+    FactorRoute,
+    JacobianRoute,
+    StructuredRoute,
+    make_route,
+)
+from laplace_diffjac.kernels import output_hessians
+from tests.references import reference_jacobians
+
+F64 = torch.float64
+JITTER = 1e-6
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 4, 3, stride=2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(36, 3),
+    ).to(F64)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    ).to(F64)
+
+
+CASES = {
+    "structured": (_mlp, (4,), None, StructuredRoute),
+    "factors": (_cnn, (1, 8, 8), None, FactorRoute),
+    "jacobians": (_cnn, (1, 8, 8), False, JacobianRoute),
+}
+
+
+def _reference(model, x, z, lam, prec):
+    """Gap and its gradient in ``z`` from per-sample autograd Jacobians, float64."""
+    z = z.detach().clone().requires_grad_()
+    Jx, _ = reference_jacobians(model, x, loop=True)
+    Jz, _ = reference_jacobians(model, z, loop=True)
+    M, C, _ = Jz.shape
+    Kzz = torch.einsum("acp,bep->acbe", Jz, Jz).reshape(M * C, M * C) / prec
+    eps = JITTER * Kzz.diagonal().mean()
+    Kzz = Kzz + eps * torch.eye(M * C, dtype=F64)
+    Kzx = torch.einsum("acp,bep->acbe", Jz, Jx).reshape(M * C, -1) / prec
+    Q = (Kzx.T @ torch.linalg.solve(Kzz, Kzx)).reshape(len(x), C, len(x), C)
+    Knn = torch.einsum("bcp,bep->bce", Jx, Jx) / prec
+    gap = torch.einsum("bce,bce->", lam, Knn - torch.einsum("acae->ace", Q))
+    (grad,) = torch.autograd.grad(gap, z)
+    return gap.detach(), grad
+
+
+def _budgets(route, z, batch, chunk):
+    """The smallest budgets (steps of 2^(1/4)) whose plans chunk, by kind of plan."""
+    sizes = route_sizes(route, z)
+    found = {}
+    budget = 2.0**10
+    while len(found) < 2 and budget < 2.0**34:
+        try:
+            plan = plan_step(sizes, len(z), batch, chunk, int(budget))
+        except laplace_diffjac.MemoryBudgetError:
+            plan = None
+        if plan is not None and not plan.whole:
+            found.setdefault("hold" if plan.hold else "recompute", (int(budget), plan))
+        budget *= 2**0.25
+    return found
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_budgeted_step_equals_the_reference_gap_and_gradient(case):
+    build, shape, structured, kind = CASES[case]
+    model = build()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, *shape, generator=gen, dtype=F64)
+    z = torch.randn(5, *shape, generator=gen, dtype=F64)
+    lam = output_hessians(model(x).detach(), "classification").to(F64)
+    backend = DiffBackPackGGN(model, "classification")
+    route = make_route(backend, 2.0, structured, torch.device("cpu"))
+    assert isinstance(route, kind)
+    pieces = [route.pieces(xc, graph=False) for xc in x.split(4)]
+    trace = torch.cat(
+        [pieces_trace(route, p, lc) for p, lc in zip(pieces, lam.split(4))]
+    )
+    want_gap, want_grad = _reference(model, x, z, lam, 2.0)
+    plans = [StepPlan(1, True, False, 0), StepPlan(2, False, False, 0)]
+    plans += [StepPlan(3, True, False, 0), StepPlan(5, False, False, 0)]
+    plans += [plan for _, plan in _budgets(route, z, len(x), 4).values()]
+    for plan in plans:
+        gap, grad = budgeted_gap(route, plan, z, pieces, lam, trace, JITTER)
+        torch.testing.assert_close(gap, want_gap, rtol=1e-10, atol=0)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+        value, none = budgeted_gap(route, plan, z, pieces, lam, trace, JITTER, False)
+        assert none is None
+        torch.testing.assert_close(value, want_gap, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("structured", [None, False])
+def test_optimiser_under_a_small_budget_takes_the_unbudgeted_steps(structured):
+    model = _cnn()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(24, 1, 8, 8, generator=gen, dtype=F64)
+    z0 = x[:4].clone()
+    kwargs = dict(
+        init=z0, steps=4, batch_size=8, chunk_size=4, patience=0,
+        progress_bar=False, evaluate_full=True, structured=structured,
+    )  # fmt: skip
+    whole = optimize_locations(model, "classification", x, 4, **kwargs)
+    backend = DiffBackPackGGN(model, "classification")
+    route = make_route(backend, 1.0, structured, torch.device("cpu"))
+    budgets = _budgets(route, z0, 8, 4)
+    assert budgets
+    for budget, _ in budgets.values():
+        with laplace_diffjac.memory_budget(budget):
+            run = optimize_locations(model, "classification", x, 4, **kwargs)
+        torch.testing.assert_close(run.locations, whole.locations, rtol=1e-9, atol=0)
+        assert run.history.objective == pytest.approx(whole.history.objective, 1e-10)
+        assert run.history.final_objective == pytest.approx(
+            whole.history.final_objective, rel=1e-10
+        )
+
+
+def test_a_step_nothing_fits_is_refused_before_any_step():
+    model = _cnn()
+    x = torch.randn(12, 1, 8, 8, dtype=F64)
+    with laplace_diffjac.memory_budget("4 KiB"):
+        with pytest.raises(laplace_diffjac.MemoryBudgetError, match="location step"):
+            optimize_locations(
+                model, "classification", x, 3, init=x[:3], steps=2, progress_bar=False
+            )
