@@ -40,11 +40,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..backends import DiffBackPackGGN, upstream_stand_in
+from ..budget import get_memory_budget
 from ..data import Data, SizedLoader, TrainingData
 from ..jacobians._engine import JacobianFactors
 from ..jacobians._factor_products import factor_jvp
-from ..kernels import factor_route_applies, output_hessians
+from ..kernels import factor_route_applies, ntk, ntk_diag, output_hessians
 from ..kernels._factor_gram import factor_gram
+from ..kernels._feature_sizes import feature_sizes
 from ._compat import LAPLACE_VERSION
 
 __all__ = [
@@ -284,9 +286,13 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         self._prior_factor_sod = self.n_subset / self.n_data
         backend = self.backend
         Z = self.locations.to(self._device)
-        factors = backend.jacobian_factors(Z, enable_backprop=False)
+        params = list(backend.params)
+        offset = self.prior_mean - self.mean
+        whole = self._fits_whole(Z, 0, False)
+        with torch.no_grad():
+            parts = _location_parts(backend, Z, params, offset, whole)
+        f, shift, factors = parts
         self._location_factors = factors
-        f = factors.f.detach()
         self.n_outputs = f.shape[-1]
         self.model.output_size = self.n_outputs  # as laplace-torch's fit
         y = f.argmax(dim=-1) if self.likelihood == "classification" else f
@@ -294,13 +300,15 @@ class LocationFunctionalLaplace(FunctionalLaplace):
             self.loss += backend.factor * backend.lossfunc(f, y)
         M, C = f.shape
         lambdas = output_hessians(f, self.likelihood).to(self._dtype)
-        params = list(backend.params)
         # laplace-torch's scatter mean: y − (f + J (μ₀ − θ*)) for regression,
         # −J (μ₀ − θ*) for classification; the pseudo-targets are y = f.
-        shift = factor_jvp(factors, params, self.prior_mean - self.mean).detach()
         self.mu = -shift
         unit = torch.ones((), dtype=f.dtype, device=f.device)
-        gram = factor_gram(factors, factors, params, unit).detach()  # [m, n, c, e]
+        if factors is not None:
+            gram = factor_gram(factors, factors, params, unit).detach()
+        else:  # the locations' Gram in the budget's chunks ([m, n, c, e])
+            with torch.no_grad():
+                gram = ntk(backend, Z)
         self.K_MM = gram.permute(0, 2, 1, 3).reshape(M * C, M * C).to(self._dtype)
         self.L = self._build_L([lambdas])
         self._build_Sigma_inv()
@@ -386,9 +394,11 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         backend = self.backend
         if not isinstance(X, torch.Tensor) or not self._factor_route_applies():
             return super()._glm_predictive_distribution(X, joint=joint)
+        if not self._fits_whole(X, len(self.locations), self.enable_backprop, joint):
+            return self._budgeted_predictive(X, joint)
         with torch.enable_grad():  # as laplace-torch 0.3's decorator
             factors = backend.jacobian_factors(X, enable_backprop=self.enable_backprop)
-            if self._location_factors is None:  # fixed from fit on, as K_MM
+            if self._location_factors is None:  # not held by a budgeted fit
                 self._location_factors = backend.jacobian_factors(
                     self.locations.to(self._device), enable_backprop=False
                 )
@@ -406,6 +416,63 @@ class LocationFunctionalLaplace(FunctionalLaplace):
                 K_star = scale * factor_gram(factors, None, params, unit)
                 f_var = K_star - self._build_K_star_M([K_M_star])
                 f_mu = factors.f
+        if not self.enable_backprop:
+            return f_mu.detach(), f_var.detach()
+        return f_mu, f_var
+
+    def _fits_whole(
+        self, x: torch.Tensor, n_held: int, graph: bool, joint: bool = False
+    ) -> bool:
+        """Whether ``x``'s factors and Grams fit the memory budget in one piece.
+
+        Counted (:mod:`laplace_diffjac.kernels._feature_sizes`): ``x``'s factors
+        while computed (with their graph if ``graph``), ``n_held`` held
+        locations' factors, and the Grams' working memory against them and
+        against ``x`` itself (all of it, kept for a gradient, if ``graph``).
+
+        Returns
+        -------
+        bool
+        """
+        key = (tuple(x.shape[1:]), x.dtype, x.device)
+        known = self.__dict__.setdefault("_sizes", {})  # per input layout
+        if key not in known:
+            known[key] = feature_sizes(self.backend, x, True)
+        sizes = known[key]
+        b, per_input = len(x), sizes.graph if graph else sizes.transient
+        needs = b * per_input + n_held * sizes.features
+        needs += sizes.gram(b, max(n_held, 1)) + sizes.gram(b, b if joint else 1)
+        return needs <= get_memory_budget(x.device)
+
+    def _budgeted_predictive(
+        self, X: torch.Tensor, joint: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The factor route's predictive through the budgeted :func:`ntk`.
+
+        The same Grams as :meth:`_glm_predictive_distribution`, in the memory
+        budget's chunks (recomputed for a gradient with ``enable_backprop``:
+        differentiable once); the mean is the network's output.
+
+        Returns
+        -------
+        tuple of torch.Tensor
+            As :meth:`_glm_predictive_distribution`.
+        """
+        backend, scale = self.backend, self.gp_kernel_prior_variance
+        Z = self.locations.to(self._device)
+        grad_mode = torch.enable_grad() if self.enable_backprop else torch.no_grad()
+        with grad_mode:
+            K_M_star = scale * ntk(backend, X, Z)
+            f = self.model(X)
+            if joint:
+                K_star = scale * ntk(backend, X)
+                f_var = K_star - self._build_K_star_M([K_M_star], joint=True)
+                f_var = f_var.permute(0, 2, 1, 3).flatten(0, 1).flatten(1, 2)
+                f_mu = f.flatten()
+            else:
+                K_star = scale * ntk_diag(backend, X)
+                f_var = K_star - self._build_K_star_M([K_M_star])
+                f_mu = f
         if not self.enable_backprop:
             return f_mu.detach(), f_var.detach()
         return f_mu, f_var
@@ -582,3 +649,35 @@ def functional_laplace_on_locations(
     la = LocationFunctionalLaplace(model, likelihood, locations, **kwargs)
     la.fit(train_loader)
     return la
+
+
+def _location_parts(
+    backend: Any,
+    Z: torch.Tensor,
+    params: list[torch.Tensor],
+    offset: torch.Tensor,
+    whole: bool,
+) -> tuple[torch.Tensor, torch.Tensor, JacobianFactors | None]:
+    """The locations' outputs ``f`` ``(M, C)``, ``J (μ₀ − θ*)`` and factors.
+
+    ``whole``: the factors of all locations at once, returned for the Grams;
+    otherwise chunk by chunk within the memory budget, the factors not kept.
+
+    Returns
+    -------
+    tuple
+        ``(f, shift, factors or None)``, detached.
+    """
+    if whole:
+        factors = backend.jacobian_factors(Z, enable_backprop=False)
+        shift = factor_jvp(factors, params, offset).detach()
+        return factors.f.detach(), shift, factors
+    sizes = feature_sizes(backend, Z, True)
+    chunk = max(1, int(get_memory_budget(Z.device) // (2 * sizes.transient)))
+    outputs, shifts = [], []
+    for part in Z.split(chunk):
+        factors = backend.jacobian_factors(part, enable_backprop=False)
+        outputs.append(factors.f.detach())
+        shifts.append(factor_jvp(factors, params, offset).detach())
+        del factors
+    return torch.cat(outputs), torch.cat(shifts), None

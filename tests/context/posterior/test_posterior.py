@@ -215,14 +215,17 @@ def test_location_functional_laplace_equals_random_subset(likelihood):
                 torch.testing.assert_close(pred_o[1], pred_v[1])
 
 
-def _dense_gp(model, z, xs, likelihood, prec, sigma, scale, weight, full, joint):
+def _dense_gp(
+    model, z, xs, likelihood, prec, sigma, scale, weight, full, joint, loop=False
+):
     """Float64 GP posterior on locations ``z``: ``K** − K*M R (I + R K R)⁻¹ R K_M*``.
 
     ``K = scale J Jᵀ / prec``; ``R = (weight Λ / σ²)^{1/2}`` block-diagonal, with
-    ``Λ`` the whole ``C × C`` block (``full``) or its diagonal.
+    ``Λ`` the whole ``C × C`` block (``full``) or its diagonal. ``loop``: Jacobians
+    from the plain autograd loop (``create_graph=True``), for gradients in ``xs``.
     """
-    Jz, fz = reference_jacobians(model, z)
-    Js, _ = reference_jacobians(model, xs)
+    Jz, fz = reference_jacobians(model, z, loop=loop)
+    Js, _ = reference_jacobians(model, xs, loop=loop)
     lam = _lam(fz.detach(), likelihood, 1.0) * weight / sigma**2
     if not full:
         lam = torch.diag_embed(lam.diagonal(dim1=1, dim2=2))
