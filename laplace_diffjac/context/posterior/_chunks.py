@@ -35,7 +35,7 @@ from ...errors import MemoryBudgetError
 from ...kernels._feature_sizes import FeatureSizes
 from ._features import BatchFeatures
 
-__all__ = ["ChunkedFeatures", "Chunks", "plan_chunks", "slices"]
+__all__ = ["ChunkedFeatures", "Chunks", "largest_fitting", "plan_chunks", "slices"]
 
 #: Per-chunk overhead in the plan's time model, in inputs' worth of work.
 _CALL_OVERHEAD = 4
@@ -182,7 +182,7 @@ class _Needs:
             return []
         options = []
         for z in _block_sizes(M):
-            c = _largest(partial(self._fits_held, z, budget), batch)
+            c = largest_fitting(partial(self._fits_held, z, budget), batch)
             if c:
                 cost = 1 + M * _WRITE * (1 / c + 1 / z) + _CALL_OVERHEAD / c
                 options.append((cost, Chunks(c, z, True, int(self.held(z, c)), False)))
@@ -191,7 +191,7 @@ class _Needs:
     def recomputing(self, batch: int, budget: int) -> list[tuple[float, Chunks]]:
         """The plan that recomputes the locations, if one fits, with its cost."""
         M = self.M
-        c_r = _largest(lambda c: self.recomputed(c) <= budget, max(batch, M))
+        c_r = largest_fitting(lambda c: self.recomputed(c) <= budget, max(batch, M))
         if not c_r:
             return []
         c = min(c_r, batch)
@@ -207,7 +207,7 @@ def _block_sizes(n: int) -> list[int]:
     return sizes
 
 
-def _largest(fits: Callable[[int], bool], n: int) -> int:
+def largest_fitting(fits: Callable[[int], bool], n: int) -> int:
     """The largest ``c`` in ``1..n`` with ``fits(c)`` (0 if none); ``fits`` monotone."""
     lo, hi = 0, max(1, n)
     while lo < hi:

@@ -18,6 +18,14 @@ The logarithm of a determinant of a data sum is not a sum over data, so an
 unbiased *minibatch* estimate of this gradient does not exist in this form; the
 two passes give the full-data gradient at twice the cost of a ``fit``.
 
+Within the memory budget (:mod:`laplace_diffjac.budget`): pass 1 takes the data
+in chunks and the locations in blocks as :meth:`ContextPosterior.fit` does
+(:func:`._chunks.plan_chunks`); pass 2 holds the locations' features with their
+graph (they are differentiated once per data chunk) and sizes its data chunks
+for what is left. A budget that cannot hold them is refused before any work,
+naming the way out: ``objective='gap'``, whose step recomputes the locations'
+features block by block, or fewer locations.
+
 The Nyström gap minimised by ``optimize_locations`` is, up to the factor ``h``
 and ``½``, the bound's trace term: the bound adds the ``log det`` term, which
 rewards locations that explain the *curvature-weighted* directions of the data,
@@ -31,6 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from ...backends import JacobianBackend
+from ...budget import format_bytes, get_memory_budget, over_budget
 from ...data import (
     Data,
     TrainingData,
@@ -39,9 +48,12 @@ from ...data import (
     is_distributed,
     reduce_sum,
 )
+from ...errors import MemoryBudgetError
 from ...kernels import output_hessians
+from ...kernels._feature_sizes import FeatureSizes, feature_sizes
+from ._chunks import ChunkedFeatures, Chunks, largest_fitting, plan_chunks, slices
 from ._evidence import log_det_eye_plus, log_likelihood
-from ._features import batch_features
+from ._features import BatchFeatures, batch_features
 from ._hyperparameters import PriorGroups
 from ._statistics import Accumulators, frame_factor, reduce_accumulators
 
@@ -125,6 +137,9 @@ def evidence_loss_backward(
         If the data has no targets or the prior precision is not scalar.
     InvalidInputError
         For a ``DistributedSampler`` that pads its shards with repeated points.
+    MemoryBudgetError
+        If the locations' features with their graph do not fit the memory
+        budget, before any work.
 
     """
     if prior_precision.numel() != 1:
@@ -134,14 +149,25 @@ def evidence_loss_backward(
     groups = PriorGroups("scalar", ((0, P),), weight, len(backend.params))
     check_shard(data, "data")
     training_data = TrainingData(data, batch_size, "data")
+    loader = training_data.loader
+    largest = batch_size if loader is None else loader.batch_size or 1024
+    sizes = feature_sizes(backend, locations.detach(), True)
+    budget = get_memory_budget(locations.device)
+    gradient_chunk = _gradient_chunk(sizes, len(locations), largest, budget)
+    chunks = plan_chunks(sizes, len(locations), largest, 1, budget)
     with torch.no_grad():
-        Z0 = batch_features(backend, locations.detach(), False)
+        Z0 = _location_features(backend, locations.detach(), chunks)
         acc = Accumulators.empty(Z0, groups, jitter)
         for xb, yb in training_data.batches():
-            features = batch_features(backend, xb.to(locations.device), False)
-            if yb is not None:
-                check_targets(yb, features.f, likelihood, "data's targets")
-            acc.add(features, yb, groups, likelihood)
+            xb = xb.to(locations.device)
+            for where in slices(len(xb), chunks.data):
+                features = batch_features(backend, xb[where], False)
+                y = None if yb is None else yb[where]
+                if y is not None:
+                    check_targets(y, features.f, likelihood, "data's targets")
+                acc.add(features, y, groups, likelihood)
+                del features
+    del Z0
     reduce_accumulators(acc)  # pass 2 needs the full-data W
     W = acc.symmetrised_W()[0, 0].clone().requires_grad_()
     theta = torch.cat([p.detach().reshape(-1) for p in backend.params])
@@ -154,9 +180,69 @@ def evidence_loss_backward(
     if wants_z:
         assert W.grad is not None
         _data_gradient(
-            backend, locations, W.grad.detach(), training_data, likelihood, jitter
-        )
+            backend, locations, W.grad.detach(), training_data, likelihood, jitter,
+            gradient_chunk,
+        )  # fmt: skip
     return (-bound).detach()
+
+
+def _location_features(
+    backend: JacobianBackend, locations: torch.Tensor, chunks: Chunks
+) -> BatchFeatures:
+    """The locations' features without graph: whole, or in ``chunks``' blocks.
+
+    Returns
+    -------
+    BatchFeatures
+        Held whole, or :class:`._chunks.ChunkedFeatures` (held or recomputed).
+    """
+    if chunks.whole:
+        return batch_features(backend, locations, False)
+
+    def compute(where: slice) -> BatchFeatures:
+        return batch_features(backend, locations[where], False)
+
+    n, block = len(locations), chunks.locations
+    return ChunkedFeatures(compute, n, block, chunks.hold_locations)
+
+
+def _gradient_chunk(sizes: FeatureSizes, M: int, batch: int, budget: int) -> int:
+    """Data inputs per chunk of pass 2, with the locations' graph held.
+
+    Counted: the locations' features with their graph and their Gram's working
+    memory; per chunk of ``c`` inputs, their features while computed, the Gram
+    against the locations (kept for the backward pass) and four ``MC × cC``
+    matrices (``K``, ``V``, ``VΛ`` and a gradient).
+
+    Returns
+    -------
+    int
+        The largest chunk in ``1..batch`` that fits ``budget`` bytes.
+
+    Raises
+    ------
+    MemoryBudgetError
+        If not even one input fits beside the locations.
+    """
+    C = sizes.n_outputs
+    held = M * sizes.graph + sizes.gram(M, M)
+
+    def needs(c: int) -> float:
+        return held + c * sizes.transient + sizes.gram(M, c) + 32.0 * M * C * c * C
+
+    chunk = largest_fitting(lambda c: needs(c) <= budget, batch)
+    if not chunk:
+        raise MemoryBudgetError(
+            over_budget(
+                f"objective='evidence' with {M} locations",
+                int(needs(1)),
+                budget,
+                "Its gradient holds the locations' features with their graph "
+                f"({format_bytes(M * sizes.graph)}); objective='gap' recomputes "
+                "them block by block within the budget, or use fewer locations.",
+            )
+        )
+    return chunk
 
 
 def _data_gradient(
@@ -166,8 +252,11 @@ def _data_gradient(
     data: TrainingData,
     likelihood: str,
     jitter: float,
+    chunk: int,
 ) -> None:
     """Pass 2: add ``Σ_batches ⟨∂F/∂W, ∂W_batch/∂Z⟩`` to ``locations.grad``.
+
+    The data in chunks of at most ``chunk`` inputs (:func:`_gradient_chunk`).
 
     The bound depends on the locations only through ``W = Σ_b V_b Λ_b V_bᵀ``,
     ``V_b = L(Z)⁻¹ K_Zb(Z)`` (the frame ``L(Z)`` included), so this is the whole
@@ -181,15 +270,19 @@ def _data_gradient(
     L = frame_factor(Z.gram(Z, ones), jitter)
     MC = grad_W.shape[0]
     for xb in data.input_batches():
-        with torch.no_grad():
-            features = batch_features(backend, xb.to(locations.device), False)
-            f = features.f
-            lam = output_hessians(f, likelihood)
-        K = Z.gram(features, ones)
-        V = torch.linalg.solve_triangular(L, K, upper=False).reshape(MC, *f.shape)
-        VL = torch.einsum("kbc,bce->kbe", V, lam).reshape(MC, -1)
-        W_b = V.reshape(MC, -1) @ VL.T
-        (grad_W * W_b).sum().backward(retain_graph=True, inputs=[locations])
+        xb = xb.to(locations.device)
+        for where in slices(len(xb), chunk):
+            with torch.no_grad():
+                features = batch_features(backend, xb[where], False)
+                f = features.f
+                lam = output_hessians(f, likelihood)
+            K = Z.gram(features, ones)
+            V = torch.linalg.solve_triangular(L, K, upper=False)
+            V = V.reshape(MC, *f.shape)
+            VL = torch.einsum("kbc,bce->kbe", V, lam).reshape(MC, -1)
+            W_b = V.reshape(MC, -1) @ VL.T
+            (grad_W * W_b).sum().backward(retain_graph=True, inputs=[locations])
+            del features, K, V, VL, W_b
     if not is_distributed():
         return
     local = torch.zeros_like(locations) if locations.grad is None else locations.grad

@@ -1,12 +1,20 @@
-"""The evidence objective in Z, δ and σ against dense torch.func autograd."""
+"""The evidence objective in Z, δ and σ against dense torch.func autograd.
+
+Also within a memory budget too small for the locations or a batch in one piece:
+the same value and gradients, in chunks.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN
+from laplace_diffjac.budget import memory_budget
 from laplace_diffjac.context import ContextPosterior, evidence_loss_backward
+from laplace_diffjac.context.posterior import _evidence_gradient
+from laplace_diffjac.errors import MemoryBudgetError
 from tests.context.helpers import MLP, dense_bound, evidence_data
 
 
@@ -43,3 +51,55 @@ def test_value_and_gradients_match_dense_autograd(backend_cls, likelihood):
     s = log_sigma.detach().exp() if reg else None
     expected = cp.log_marginal_likelihood(log_prec.detach().exp(), s)
     torch.testing.assert_close(-loss, expected, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_within_a_small_budget_value_and_gradients_match_dense_autograd(
+    likelihood, monkeypatch
+):
+    """Locations in blocks and batches of 6 in chunks: the dense bound and gradient."""
+    model, x, y, _ = evidence_data(likelihood, n=12)
+    loader = DataLoader(TensorDataset(x, y), batch_size=6)
+    z = MLP.inputs(5, 11).requires_grad_()
+    log_prec = torch.tensor(0.4, dtype=torch.float64, requires_grad=True)
+    seen: list[int] = []  # the sizes of the inputs whose features are computed
+    features = _evidence_gradient.batch_features
+
+    def counting(backend, inputs, *args, **kwargs):
+        seen.append(len(inputs))
+        return features(backend, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(_evidence_gradient, "batch_features", counting)
+    with memory_budget("17 KiB"):
+        loss = evidence_loss_backward(
+            DiffBackPackGGN(model, likelihood), z, loader, likelihood,
+            log_prec.exp(), torch.tensor(0.7, dtype=torch.float64), jitter=0.0,
+            inputs=[z, log_prec],
+        )  # fmt: skip
+    # The locations whole only once (pass 2, with their graph), every other
+    # piece in blocks or chunks smaller than the loader's batches of 6.
+    pieces = [n for n in seen if n != 5]
+    assert seen.count(5) == 1 and max(pieces) < 5 and sum(pieces) == 5 + 2 * len(x)
+    z_ref = z.detach().clone().requires_grad_()
+    lp = log_prec.detach().clone().requires_grad_()
+    sigma = 0.7 if likelihood == "regression" else 1.0
+    dense, _ = dense_bound(model, x, y, z_ref, likelihood, lp.exp(), sigma)
+    grads = torch.autograd.grad(-dense, [z_ref, lp])
+    torch.testing.assert_close(loss, -dense.detach(), rtol=1e-7, atol=1e-10)
+    for leaf, g in zip([z, log_prec], grads):
+        torch.testing.assert_close(leaf.grad, g, rtol=1e-6, atol=1e-9)
+
+
+def test_a_budget_below_the_locations_graph_is_refused_before_work():
+    model, x, y, loader = evidence_data("regression", n=12)
+    z = MLP.inputs(5, 11).requires_grad_()
+    prec = torch.tensor(1.0, dtype=torch.float64)
+    with memory_budget("2 KiB"), pytest.raises(MemoryBudgetError) as info:
+        evidence_loss_backward(
+            DiffBackPackGGN(model, "regression"), z, loader, "regression", prec, prec
+        )
+    assert "objective='gap'" in str(info.value) and "set_memory_budget" in str(
+        info.value
+    )
+    assert z.grad is None
+    assert all(p.grad is None for p in model.parameters())
