@@ -1,10 +1,18 @@
 """The working-memory budget that the package's chunked paths honour.
 
-A path that can trade memory for recomputation (today :func:`laplace_diffjac.ntk`
-and :func:`laplace_diffjac.ntk_diag`) sizes its chunks so that the memory it holds
-at once, the autograd graph it keeps for a gradient included, stays within this
-budget. By default that is 2 GiB on a CPU and a quarter of the memory free on a
-GPU when the call starts; a user sets another limit once::
+A path that can trade memory for recomputation sizes its chunks so that the
+memory it holds at once, the autograd graph it keeps for a gradient included,
+stays within this budget: :func:`laplace_diffjac.ntk` and
+:func:`laplace_diffjac.ntk_diag`; :class:`laplace_diffjac.ContextPosterior`'s fit,
+``update``, predictions and evidence (data in chunks, locations in blocks held or
+recomputed); :func:`laplace_diffjac.optimize_locations` (the gap's step, its
+training-feature cache, and the evidence objective's two passes);
+``LocationFunctionalLaplace``'s fit and predictions; and the BackPACK backends'
+``jacobians`` and ``full``, whose chunks of per-sample Jacobians take at most half
+of it unless a ``jacobian_budget`` is given (the Jacobians returned are the
+user's, not working memory). By default the budget is 2 GiB on a CPU and a
+quarter of the memory free on a GPU when the call starts; a user sets another
+limit once::
 
     import laplace_diffjac
 

@@ -50,7 +50,8 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
     Mixed in before laplace-torch's class, so these replace its methods; the
     constructor skips ``BackPackInterface.__init__``, which would ``extend`` the model
     and its loss (global hooks that break ``torch.func``). ``jacobian_budget``
-    (bytes, default 1 GiB) bounds each chunk of per-sample Jacobians (``_chunking``).
+    (bytes; default half the memory budget in force, 1 GiB on a CPU) bounds each
+    chunk of per-sample Jacobians (``_chunking``).
     """
 
     model: nn.Module
@@ -66,7 +67,7 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
         likelihood: Any,
         last_layer: bool = False,
         subnetwork_indices: torch.LongTensor | None = None,
-        jacobian_budget: int = DEFAULT_JACOBIAN_BUDGET,
+        jacobian_budget: int | None = DEFAULT_JACOBIAN_BUDGET,
         **kwargs: Any,
     ) -> None:
         self.jacobian_budget = check_budget(jacobian_budget)
@@ -281,9 +282,11 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
         Indices of the flattened parameter vector that form the subnetwork.
     stochastic : bool, default=False
         Monte-Carlo Fisher (``DiagGGNMC``/``KFAC``) instead of the exact GGN.
-    jacobian_budget : int, default=2**30
+    jacobian_budget : int, optional
         Bytes of per-sample Jacobians computed at once (``full``, ``jacobians``);
-        a single sample above it is refused with an error naming it.
+        by default half the memory budget in force at the call
+        (:func:`laplace_diffjac.set_memory_budget`; 1 GiB at the CPU's default).
+        A single sample above it is refused with an error naming it.
     kfac_approx : {'expand', 'reduce'}, default='expand'
         ``kron``'s KFAC setting for layers shared over tokens (Eschenhagen et al.
         2023; curvlinops' default is ``'expand'``); no effect without tokens.
@@ -299,7 +302,7 @@ class DiffBackPackGGN(_SideEffectFreeBackPack, BackPackGGN):
         last_layer: bool = False,
         subnetwork_indices: torch.LongTensor | None = None,
         stochastic: bool = False,
-        jacobian_budget: int = DEFAULT_JACOBIAN_BUDGET,
+        jacobian_budget: int | None = DEFAULT_JACOBIAN_BUDGET,
         kfac_approx: str = "expand",
         **kwargs: Any,
     ) -> None:
@@ -402,8 +405,9 @@ class DiffBackPackEF(_SideEffectFreeBackPack, BackPackEF):
         Curvature of the last layer only.
     subnetwork_indices : torch.LongTensor, optional
         Indices of the flattened parameter vector that form the subnetwork.
-    jacobian_budget : int, default=2**30
-        Bytes of per-sample gradients computed at once by ``full``.
+    jacobian_budget : int, optional
+        Bytes of per-sample gradients computed at once by ``full``; by default
+        half the memory budget in force at the call.
     **kwargs
         Passed on to laplace-torch (``dict_key_x``, ``dict_key_y``).
 

@@ -7,6 +7,11 @@ time, with ``b * C * P * itemsize <= budget``: the dense curvature (``full``) is
 accumulated chunk by chunk, so no more than the budget of Jacobians is held at
 once; a method that returns all Jacobians concatenates the chunks (it bounds the
 engine's intermediate memory, not the returned tensor).
+
+The budget is the backend's ``jacobian_budget`` where one is given, else half
+the package's memory budget in force at the call
+(:func:`laplace_diffjac.budget.get_memory_budget`: 1 GiB of Jacobians at the
+CPU's default 2 GiB), the other half left to the engine's working memory.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidInputError
+from ..budget import format_bytes, get_memory_budget, over_budget
+from ..errors import InvalidInputError, MemoryBudgetError
 
 __all__ = [
     "DEFAULT_JACOBIAN_BUDGET",
@@ -27,15 +33,21 @@ __all__ = [
     "samples_per_chunk",
 ]
 
-#: Default budget for one chunk of Jacobians: 1 GiB.
-DEFAULT_JACOBIAN_BUDGET: int = 2**30
+#: Default ``jacobian_budget``: ``None``, half the memory budget in force.
+DEFAULT_JACOBIAN_BUDGET: int | None = None
+
+#: The share of the memory budget that one chunk of Jacobians may take.
+JACOBIAN_SHARE = 0.5
 
 
-def check_budget(budget: object) -> int:
-    """``budget`` as a positive number of bytes, or a clear error."""
+def check_budget(budget: object) -> int | None:
+    """``budget`` as a positive number of bytes or ``None``, or a clear error."""
+    if budget is None:
+        return None
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise InvalidInputError(
-            f"jacobian_budget must be a positive int (bytes); got {budget!r}."
+            "jacobian_budget must be a positive int (bytes) or None (half the "
+            f"memory budget, laplace_diffjac.set_memory_budget); got {budget!r}."
         )
     return budget
 
@@ -119,15 +131,16 @@ def concatenate_chunks(
 class ChunkedCurvature:
     """``full`` over chunks of the batch; mixed in before laplace-torch's backend.
 
-    Needs ``model``, ``params``, ``last_layer`` and ``jacobian_budget`` (bytes) of
-    the backend; ``_jacobian_rows`` is ``None`` for Jacobians (one row per
-    output) or 1 for per-sample gradients (the empirical Fisher).
+    Needs ``model``, ``params``, ``last_layer`` and ``jacobian_budget`` (bytes,
+    or ``None`` for half the memory budget in force) of the backend;
+    ``_jacobian_rows`` is ``None`` for Jacobians (one row per output) or 1 for
+    per-sample gradients (the empirical Fisher).
     """
 
     model: Any
     params: list[torch.Tensor]
     last_layer: bool
-    jacobian_budget: int
+    jacobian_budget: int | None
     _jacobian_rows: int | None = None
 
     def _check_input(self, x: Any) -> None:
@@ -150,7 +163,27 @@ class ChunkedCurvature:
 
     def _step(self, batch: int, width: int, n_params: int) -> int:
         itemsize = self.params[0].element_size() if self.params else 8
-        return samples_per_chunk(batch, width, n_params, itemsize, self.jacobian_budget)
+        if self.jacobian_budget is not None:
+            budget = self.jacobian_budget
+            return samples_per_chunk(batch, width, n_params, itemsize, budget)
+        device = self.params[0].device if self.params else None
+        memory = get_memory_budget(device)
+        budget = int(memory * JACOBIAN_SHARE)
+        per_sample = width * n_params * itemsize
+        if per_sample > budget:
+            raise MemoryBudgetError(
+                over_budget(
+                    "per-sample Jacobians",
+                    int(per_sample / JACOBIAN_SHARE),
+                    memory,
+                    f"One sample's Jacobian takes {format_bytes(per_sample)} "
+                    f"({width} outputs × {n_params} parameters × {itemsize} "
+                    "bytes), half the budget at most; structures that need no "
+                    "dense Jacobians (hessian_structure='diag'/'kron', last-layer "
+                    "or subnetwork Laplace) fit.",
+                )
+            )
+        return samples_per_chunk(batch, width, n_params, itemsize, budget)
 
     def _n_params(self, last_layer: bool) -> int:
         """Columns of the Jacobians (0 if the last layer is not known yet)."""

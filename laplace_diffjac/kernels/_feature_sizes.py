@@ -10,10 +10,14 @@ these counts, taken once per model and input layout on one or two inputs:
 * ``transient``: one input's share of the peak while features are computed
   without a graph (the engine's activations and signals), estimated as
   ``graph`` times :data:`TRANSIENT_SCALE`;
+* ``graph_gram(b1, b2)``: what the same Gram keeps for its backward pass when
+  computed under autograd, as :func:`._budgeted.probe` counts it on Grams of one
+  and two inputs (per input and per pair);
 * ``gram(b1, b2)``: what a Gram of ``b1 × b2`` inputs holds beyond its operands,
-  counted from shapes: :func:`._factor_gram.gram_working_bytes` on one input's
-  factors expanded to those batch sizes, or for ``J`` the prior-scaled copy of
-  the first batch's Jacobians and the Gram.
+  computed without a graph, counted from shapes:
+  :func:`._factor_gram.gram_working_bytes` on one input's factors expanded to
+  those batch sizes, or for ``J`` the prior-scaled copy of the first batch's
+  Jacobians and the Gram.
 """
 
 from __future__ import annotations
@@ -49,9 +53,12 @@ class FeatureSizes:
     transient : float
         One input's share of the peak while features are computed.
     gram : callable
-        ``(b1, b2) ->`` bytes a Gram of ``b1 × b2`` inputs holds beyond its operands.
+        ``(b1, b2) ->`` bytes a Gram of ``b1 × b2`` inputs holds beyond its
+        operands, without a graph.
     n_outputs : int
         ``C``.
+    graph_gram : callable
+        ``(b1, b2) ->`` bytes the same Gram keeps for its backward pass.
 
     """
 
@@ -60,6 +67,7 @@ class FeatureSizes:
     transient: float
     gram: Callable[[int, int], int]
     n_outputs: int
+    graph_gram: Callable[[int, int], float]
 
 
 def feature_sizes(
@@ -103,4 +111,4 @@ def feature_sizes(
             return 8 * (b1 * C * width + 2 * b1 * b2 * C * C)
 
     transient = max(costs.graph, costs.features) * TRANSIENT_SCALE
-    return FeatureSizes(costs.features, costs.graph, transient, gram, C)
+    return FeatureSizes(costs.features, costs.graph, transient, gram, C, costs.pair)

@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_diffjac.backends._backpack as backpack_module
 from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN
-from laplace_diffjac.errors import InvalidInputError
+from laplace_diffjac.budget import memory_budget
+from laplace_diffjac.errors import InvalidInputError, MemoryBudgetError
 from tests.backends.methods import kron_friendly_mlp
 from tests.references import reference_jacobians
 
@@ -156,3 +157,22 @@ def test_bad_budget_is_refused(budget):
         InvalidInputError, match="jacobian_budget must be a positive int"
     ):
         DiffBackPackGGN(kron_friendly_mlp(C), "regression", jacobian_budget=budget)
+
+
+def test_without_jacobian_budget_the_memory_budget_sizes_the_chunks(chunk_sizes):
+    """Half the memory budget in force: two samples' Jacobians fit, three do not."""
+    model = kron_friendly_mlp(C)
+    x, y = _data("regression")
+    backend = DiffBackPackGGN(model, "regression")
+    with memory_budget(2 * _two_samples(model)):
+        Js, _ = backend.jacobians(x)
+        _, H = backend.full(x, y)
+    assert chunk_sizes and max(chunk_sizes) == 2
+    ref, _ = reference_jacobians(model, x)
+    torch.testing.assert_close(Js, ref, **TOL)
+    torch.testing.assert_close(H, _reference_ggn(model, x, "regression"), **TOL)
+    one_sample = C * _n_params(model) * 8
+    with memory_budget(2 * one_sample - 2), pytest.raises(MemoryBudgetError) as info:
+        backend.jacobians(x)
+    assert "set_memory_budget" in str(info.value)
+    assert "hessian_structure='diag'/'kron'" in str(info.value)

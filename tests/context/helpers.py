@@ -70,3 +70,44 @@ def ill_conditioned_problem():
     y = torch.sin(2 * x)
     Z = torch.linspace(-3, 3, 60, dtype=torch.float64).unsqueeze(1)
     return model, x, y, Z
+
+
+def _lam(f, likelihood, sigma):
+    if likelihood == "regression":
+        return torch.eye(f.shape[1]).double().expand(len(f), -1, -1) / sigma**2
+    p = f.softmax(-1)
+    return torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+
+
+def _blocks(Ja, Jb, prec):
+    return (
+        torch.einsum("acp,bep->acbe", Ja, Jb).reshape(Ja.shape[0] * Ja.shape[1], -1)
+        / prec
+    )
+
+
+def _per_input(cov, B, C):
+    return torch.einsum("acae->ace", cov.reshape(B, C, B, C))
+
+
+def _dense_gp(
+    model, z, xs, likelihood, prec, sigma, scale, weight, full, joint, loop=False
+):
+    """Float64 GP posterior on locations ``z``: ``K** − K*M R (I + R K R)⁻¹ R K_M*``.
+
+    ``K = scale J Jᵀ / prec``; ``R = (weight Λ / σ²)^{1/2}`` block-diagonal, with
+    ``Λ`` the whole ``C × C`` block (``full``) or its diagonal. ``loop``: Jacobians
+    from the plain autograd loop (``create_graph=True``), for gradients in ``xs``.
+    """
+    Jz, fz = reference_jacobians(model, z, loop=loop)
+    Js, _ = reference_jacobians(model, xs, loop=loop)
+    lam = _lam(fz.detach(), likelihood, 1.0) * weight / sigma**2
+    if not full:
+        lam = torch.diag_embed(lam.diagonal(dim1=1, dim2=2))
+    s, U = torch.linalg.eigh(lam)
+    R = torch.block_diag(*(U * s.clamp_min(0).sqrt()[:, None, :]) @ U.mT)
+    Kzz, Kzs = scale * _blocks(Jz, Jz, prec), scale * _blocks(Jz, Js, prec)
+    Kss = scale * _blocks(Js, Js, prec)
+    eye = torch.eye(len(R)).double()
+    cov = Kss - Kzs.T @ R @ torch.linalg.solve(eye + R @ Kzz @ R, R @ Kzs)
+    return cov if joint else _per_input(cov, xs.shape[0], Js.shape[1])

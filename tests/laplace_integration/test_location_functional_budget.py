@@ -17,7 +17,7 @@ from laplace_diffjac.budget import memory_budget
 from laplace_diffjac.errors import MemoryBudgetError
 from laplace_diffjac.laplace_integration import LocationFunctionalLaplace
 from tests.conftest import CASES
-from tests.context.posterior.test_posterior import _dense_gp
+from tests.context.helpers import _dense_gp
 
 # Below one piece for each case, above the budgeted ntk's smallest chunk.
 BUDGETS = {CASES[1].name: "3 KiB", CASES[2].name: "10 KiB"}

@@ -73,8 +73,11 @@ def plan_step(
     Counted: the step's ``(MC)²`` and ``MC × bC`` matrices and their gradients
     (four of each), the minibatch's features, and per plan the locations'
     features (with their graph for the whole step; without, held or recomputed,
-    otherwise) and the Grams' working memory (every Gram's, kept for the backward
-    pass, in the whole step; one block's at a time otherwise).
+    otherwise) and the Grams' working memory: every Gram's graph, kept for the
+    backward pass, in the whole step (``sizes.graph_gram``); otherwise one
+    block's against one column block (the other locations' blocks, the
+    minibatch's chunks of ``chunk``), the larger of its working memory without a
+    graph (``sizes.gram``, the Grams' pass) and its graph (the gradient's pass).
 
     Parameters
     ----------
@@ -87,7 +90,7 @@ def plan_step(
     chunk : int
         Inputs per chunk of the minibatch's features.
     budget : int
-        Bytes.
+        Bytes left to the step (the training cache's held features not included).
 
     Returns
     -------
@@ -102,14 +105,17 @@ def plan_step(
     M, C = n_locations, sizes.n_outputs
     chunk = max(1, min(chunk, batch))
     fixed = 8.0 * 4 * (M * C) * (M * C + batch * C) + batch * sizes.features
-    whole = fixed + M * sizes.graph + sizes.gram(M, M) + sizes.gram(M, batch)
+    grams = sizes.graph_gram(M, M) + sizes.graph_gram(M, batch)
+    whole = fixed + M * sizes.graph + grams
     if whole <= budget:
         return StepPlan(M, True, True, int(whole))
 
     def needs(z: int, hold: bool) -> float:
         held = M * sizes.features if hold else z * (sizes.transient + sizes.features)
         rows = z * (sizes.graph + sizes.features + sizes.transient)
-        return fixed + held + rows + sizes.gram(z, max(z, chunk))
+        columns = max(z, chunk)
+        block = max(sizes.gram(z, columns), sizes.graph_gram(z, columns))
+        return fixed + held + rows + block
 
     for hold in (True, False):
         z = _largest(partial(_fits, needs, hold, budget), M)

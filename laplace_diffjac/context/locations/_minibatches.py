@@ -24,9 +24,14 @@ Batch = tuple[list[Pieces], torch.Tensor, torch.Tensor]
 
 
 class Source(Protocol):
-    """What the optimiser asks of its data."""
+    """What the optimiser asks of its data.
+
+    ``held_bytes``: what the source keeps between steps (the cached features),
+    taken from the memory budget before a step is planned.
+    """
 
     n: int
+    held_bytes: int
 
     def next_local(self) -> Batch | None:
         """Serve this rank's part of the next minibatch (``None`` if empty)."""
@@ -63,6 +68,7 @@ class InMemorySource:
         self.cache, self.lo, self.n = cache, lo, n
         self.batch_size = batch_size
         self.batches = Minibatches(n, batch_size, seed)
+        self.held_bytes = cache.held_bytes
 
     def next_local(self) -> Batch | None:
         """Serve this rank's part of the next global minibatch (``None`` if empty)."""

@@ -36,7 +36,13 @@ from ...data import (
 )
 from ...jacobians._model_guard import preserved_state
 from ...kernels import PriorPrecision
-from ._budgeted_step import StepPlan, budgeted_gap, plan_step, route_sizes
+from ._budgeted_step import (
+    StepPlan,
+    budgeted_gap,
+    feature_chunk,
+    plan_step,
+    route_sizes,
+)
 from ._evidence_steps import check_objective, optimise_evidence
 from ._gap import batch_gap
 from ._init import check_init_size, sharded_initial_locations
@@ -314,7 +320,9 @@ def _optimise(
     history = LocationHistory()
     sizes = route_sizes(route, Z0)
     budget = get_memory_budget(Z0.device)
-    plan = plan_step(sizes, len(Z0), s.batch_size, s.chunk_size, budget)
+    chunk = feature_chunk(sizes, s.chunk_size, budget)  # the sources' chunks
+    left = max(budget - source.held_bytes, 0)  # the cached features stay
+    plan = plan_step(sizes, len(Z0), s.batch_size, chunk, left)
     if s.evaluate_full:
         history.initial_objective = _full_gap(route, source, Z0, s, plan)
     Z = Z0.clone().requires_grad_(True)

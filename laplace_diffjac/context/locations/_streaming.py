@@ -200,6 +200,7 @@ class StreamSource:
         self.device = next(model.parameters()).device
         self.iterator: Iterator[torch.Tensor] | None = None
         self.chunk: int | None = None
+        self.held_bytes = 0  # each batch's features are freed after its step
 
     def _batch(self, xb: torch.Tensor) -> Batch:
         likelihood, sigma, temperature, chunk = self.args

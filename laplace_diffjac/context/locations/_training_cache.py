@@ -120,6 +120,8 @@ class TrainingCache:
         )
         if keep and kept:
             self.pieces = route.cat(kept)
+        #: Bytes of the features kept between steps.
+        self.held_bytes = 0 if self.pieces is None else _nbytes(self.pieces)
 
     def __len__(self) -> int:
         """Number ``N`` of training inputs."""

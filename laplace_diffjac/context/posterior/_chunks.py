@@ -35,7 +35,14 @@ from ...errors import MemoryBudgetError
 from ...kernels._feature_sizes import FeatureSizes
 from ._features import BatchFeatures
 
-__all__ = ["ChunkedFeatures", "Chunks", "largest_fitting", "plan_chunks", "slices"]
+__all__ = [
+    "ChunkedFeatures",
+    "Chunks",
+    "largest_fitting",
+    "plan_chunks",
+    "slices",
+    "test_slices",
+]
 
 #: Per-chunk overhead in the plan's time model, in inputs' worth of work.
 _CALL_OVERHEAD = 4
@@ -217,6 +224,37 @@ def largest_fitting(fits: Callable[[int], bool], n: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def test_slices(
+    n: int, q: int, chunk: int, grad: bool, sizes: FeatureSizes | None, budget: int
+) -> list[slice]:
+    """Slices of ``n`` test inputs in whole ``q``-blocks, ``chunk`` at most.
+
+    Returns
+    -------
+    list of slice
+
+    Raises
+    ------
+    MemoryBudgetError
+        With ``grad`` (``enable_backprop``), when the inputs' graph does not fit
+        whole: every chunk's graph would be kept for the gradient.
+    """
+    if chunk >= n:
+        return [slice(0, n)]
+    if grad:
+        assert sizes is not None
+        raise MemoryBudgetError(
+            over_budget(
+                f"A prediction at {n} inputs with enable_backprop=True",
+                int(n * sizes.transient),
+                budget,
+                f"Its graph is kept whole for the gradient; {chunk} inputs fit. "
+                "Predict in smaller batches, or under torch.no_grad().",
+            )
+        )
+    return slices(n, max(q, chunk // q * q))
 
 
 def slices(n: int, chunk: int) -> list[slice]:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ...backends import BackendSpec, DiffBackPackGGN, as_backend
-from ...budget import get_memory_budget, over_budget
+from ...budget import get_memory_budget
 from ...data import (
     Data,
     TrainingData,
@@ -39,11 +39,11 @@ from ...data import (
     check_inputs,
     is_distributed,
 )
-from ...errors import InvalidInputError, MemoryBudgetError
+from ...errors import InvalidInputError
 from ...kernels import PriorPrecision
 from ...kernels._feature_sizes import FeatureSizes, feature_sizes
 from . import _tuning
-from ._chunks import ChunkedFeatures, Chunks, plan_chunks, slices
+from ._chunks import ChunkedFeatures, Chunks, plan_chunks, test_slices
 from ._data_pass import accumulate, compute_copy, sync_copy
 from ._dual_mean import check_predictive_mean, dual_mean
 from ._evidence import evidence_terms, log_likelihood
@@ -779,33 +779,8 @@ class ContextPosterior(LaplacePredictive):
         return self._as_output(torch.cat(means), torch.cat(variances))
 
     def _test_chunks(self, x: torch.Tensor, q: int) -> list[slice]:
-        """Slices of ``x`` (whole ``q``-blocks) that fit the memory budget.
-
-        Returns
-        -------
-        list of slice
-
-        Raises
-        ------
-        MemoryBudgetError
-            With ``enable_backprop``, when the inputs' graph does not fit whole:
-            every chunk's graph is kept for the gradient.
-        """
-        n = len(x)
-        chunk = self._data_chunk(n)
-        if chunk >= n:
-            return [slice(0, n)]
-        if self.enable_backprop and torch.is_grad_enabled():
-            sizes = self._sizes
-            assert sizes is not None
-            raise MemoryBudgetError(
-                over_budget(
-                    f"A prediction at {n} inputs with enable_backprop=True",
-                    int(n * sizes.transient),
-                    get_memory_budget(self._device),
-                    f"Its graph is kept whole for the gradient; {chunk} inputs fit. "
-                    "Predict in smaller batches, or under torch.no_grad().",
-                )
-            )
-        step = max(q, chunk // q * q)
-        return slices(n, step)
+        """Slices of ``x`` (whole ``q``-blocks) that fit (:func:`test_slices`)."""
+        grad = self.enable_backprop and torch.is_grad_enabled()
+        chunk = self._data_chunk(len(x))
+        budget = get_memory_budget(self._device)
+        return test_slices(len(x), q, chunk, grad, self._sizes, budget)

@@ -125,7 +125,10 @@ def test_budgeted_step_equals_the_reference_gap_and_gradient(case):
         torch.testing.assert_close(value, want_gap, rtol=1e-10, atol=0)
 
 
-@pytest.mark.parametrize("structured", [None, False])
+# The factor route only: on the Jacobian route of this small CNN, the whole step's
+# graph is smaller than any block plan's (J's graph is little more than J), so
+# no budget chooses blocks; its blocks are tested with given plans above.
+@pytest.mark.parametrize("structured", [None])
 def test_optimiser_under_a_small_budget_takes_the_unbudgeted_steps(structured):
     model = _cnn()
     gen = torch.Generator().manual_seed(4)

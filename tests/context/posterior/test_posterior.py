@@ -18,23 +18,10 @@ from laplace_diffjac.laplace_integration import (
     functional_laplace_on_locations,
 )
 from tests.conftest import CASES
+from tests.context.helpers import _blocks, _dense_gp, _lam, _per_input
 from tests.references import reference_jacobians
 
 MLP = CASES[1]  # mlp-C3, P = 77
-
-
-def _lam(f, likelihood, sigma):
-    if likelihood == "regression":
-        return torch.eye(f.shape[1]).double().expand(len(f), -1, -1) / sigma**2
-    p = f.softmax(-1)
-    return torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
-
-
-def _blocks(Ja, Jb, prec):
-    return (
-        torch.einsum("acp,bep->acbe", Ja, Jb).reshape(Ja.shape[0] * Ja.shape[1], -1)
-        / prec
-    )
 
 
 def _dense_dtc(model, x, z, xs, likelihood, prec, sigma):
@@ -56,10 +43,6 @@ def _dense_full(model, x, xs, likelihood, prec, sigma):
     H = torch.einsum("ncp,nce,neq->pq", Jx, lam, Jx) + prec * torch.eye(P).double()
     Jflat = Js.reshape(-1, P)
     return Jflat @ torch.linalg.solve(H, Jflat.T)
-
-
-def _per_input(cov, B, C):
-    return torch.einsum("acae->ace", cov.reshape(B, C, B, C))
 
 
 @pytest.mark.parametrize("backend_cls", [DiffBackPackGGN, DiffFuncGGN])
@@ -213,29 +196,6 @@ def test_location_functional_laplace_equals_random_subset(likelihood):
             torch.testing.assert_close(pred_o[0], pred_v[0])
             if case.n_outputs == 1:
                 torch.testing.assert_close(pred_o[1], pred_v[1])
-
-
-def _dense_gp(
-    model, z, xs, likelihood, prec, sigma, scale, weight, full, joint, loop=False
-):
-    """Float64 GP posterior on locations ``z``: ``K** − K*M R (I + R K R)⁻¹ R K_M*``.
-
-    ``K = scale J Jᵀ / prec``; ``R = (weight Λ / σ²)^{1/2}`` block-diagonal, with
-    ``Λ`` the whole ``C × C`` block (``full``) or its diagonal. ``loop``: Jacobians
-    from the plain autograd loop (``create_graph=True``), for gradients in ``xs``.
-    """
-    Jz, fz = reference_jacobians(model, z, loop=loop)
-    Js, _ = reference_jacobians(model, xs, loop=loop)
-    lam = _lam(fz.detach(), likelihood, 1.0) * weight / sigma**2
-    if not full:
-        lam = torch.diag_embed(lam.diagonal(dim1=1, dim2=2))
-    s, U = torch.linalg.eigh(lam)
-    R = torch.block_diag(*(U * s.clamp_min(0).sqrt()[:, None, :]) @ U.mT)
-    Kzz, Kzs = scale * _blocks(Jz, Jz, prec), scale * _blocks(Jz, Js, prec)
-    Kss = scale * _blocks(Js, Js, prec)
-    eye = torch.eye(len(R)).double()
-    cov = Kss - Kzs.T @ R @ torch.linalg.solve(eye + R @ Kzz @ R, R @ Kzs)
-    return cov if joint else _per_input(cov, xs.shape[0], Js.shape[1])
 
 
 @pytest.mark.parametrize("joint", [False, True])
