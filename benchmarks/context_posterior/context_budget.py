@@ -140,29 +140,39 @@ def measure_step(cfg: dict) -> dict:
                 steps=3, batch_size=cfg["minibatch"], patience=0, progress_bar=False,
             )  # fmt: skip
             row["total_s"] = time.perf_counter() - start
-            row["plan"] = _step_plan(model, z, cfg["minibatch"])
+            row["plan"] = _step_plan(model, z, cfg["minibatch"], cfg["n_data"])
         times = result.history.time
         row["step_s"] = (times[-1] - times[0]) / (len(times) - 1)
         row["peak_gib"] = max(_rss_kib("VmHWM") - base, 0) / 2**20
-        torch.save({"locations": result.locations}, cfg["result"])
+        objective = torch.tensor(result.history.objective, dtype=torch.float64)
+        torch.save(
+            {"locations": result.locations, "objective": objective}, cfg["result"]
+        )
     except Exception as exc:  # noqa: BLE001 (a failure is a result)
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:300]
     return row
 
 
-def _step_plan(model, z, minibatch: int) -> str:
+def _step_plan(model, z, minibatch: int, n_data: int) -> str:
     """The plan the optimiser's step takes under the budget in force, in words."""
     import torch
 
     from laplace_diffjac import DiffBackPackGGN
     from laplace_diffjac.budget import get_memory_budget
-    from laplace_diffjac.context.locations._budgeted_step import plan_step, route_sizes
+    from laplace_diffjac.context.locations._budgeted_step import (
+        feature_chunk,
+        plan_step,
+        route_sizes,
+    )
     from laplace_diffjac.context.locations._routes import make_route
 
     backend = DiffBackPackGGN(model, "classification")
     route = make_route(backend, 1.0, None, torch.device("cpu"))
     sizes = route_sizes(route, z)
-    plan = plan_step(sizes, len(z), minibatch, 256, get_memory_budget("cpu"))
+    budget = get_memory_budget("cpu")
+    cached = n_data * sizes.features  # the training cache keeps them if ≤ 1/4
+    left = budget - (cached if cached <= budget / 4 else 0)
+    plan = plan_step(sizes, len(z), minibatch, feature_chunk(sizes, 256, budget), left)
     if plan.whole:
         return "whole"
     how = "held" if plan.hold else "recomputed"
@@ -231,6 +241,18 @@ def _compare(rows: list[dict], results: dict) -> None:
         row["rel_diff"] = max(diffs)
 
 
+def _floors_in_words(rows: list[dict], default: dict) -> str:
+    """The distinct floors of ``rows``, per path, in words."""
+    seen: dict[str, dict] = {}
+    for row in rows:
+        seen.setdefault(row["path"], row.get("floor", default))
+    return "; ".join(
+        f"{path} rows: {f['jacobian_s_per_input']:.3f} s an image, "
+        f"{f['flops_per_s'] / 1e9:.1f} GFLOP/s"
+        for path, f in seen.items()
+    )
+
+
 def report(results: dict) -> str:
     """The Markdown table of ``results``."""
     meta, floor = results["meta"], results["floor"]
@@ -243,9 +265,10 @@ def report(results: dict) -> str:
         f"{meta['threads']} threads, torch {meta['torch']}, {meta['machine']}, "
         f"{meta['date']}. Each row a fresh process; peak: resident memory above its "
         "value before `fit`. The floor: one Jacobian pass over the data "
-        f"({floor['jacobian_s_per_input']:.3f} s an image, measured on 16) plus "
-        "P·M·C² multiply-adds per image at the float64 matmul rate measured in "
-        f"the same run ({floor['flops_per_s'] / 1e9:.1f} GFLOP/s). `rel. diff`: the "
+        "(measured on 16 images) plus P·M·C² multiply-adds per image at the "
+        "float64 matmul rate, both measured in the same run as the row ("
+        + _floors_in_words(results["rows"], floor)
+        + "). `rel. diff`: the "
         "largest relative difference of the predictive variance and the evidence "
         "to the same M's `none` row.",
         "",
@@ -263,7 +286,7 @@ def report(results: dict) -> str:
                 f"{row['error']} | – | – | – | – | – | – |"
             )
             continue
-        floor_s = _floor_s(floor, row)
+        floor_s = _floor_s(row.get("floor", floor), row)
         lines.append(
             f"| {row['locations']} | {row['n_data']} | {row['budget']} | "
             f"{row['plan']} | {row['fit_s']:.1f} | {floor_s:.1f} | "
@@ -277,7 +300,8 @@ def report(results: dict) -> str:
             "images, seconds a step (the mean of the last two), against one "
             "minibatch's Jacobian pass at the rate above; peak: resident memory "
             "above its value before the call (the training cache included); "
-            "`rel. diff`: the locations after three steps against the `none` row.",
+            "`rel. diff`: the locations and the objective of each step against the "
+            "`none` row (the model is float32).",
             "",
             "| M | N | minibatch | budget | plan | s a step | Jacobian pass s "
             "| step / pass | peak GiB | rel. diff |",
@@ -290,7 +314,7 @@ def report(results: dict) -> str:
                 head + f"{row['budget']} | {row['error']} | – | – | – | – | – |"
             )
             continue
-        jac = row["minibatch"] * floor["jacobian_s_per_input"]
+        jac = row["minibatch"] * row.get("floor", floor)["jacobian_s_per_input"]
         lines.append(
             head
             + f"{row['budget']} | {row['plan']} | {row['step_s']:.1f} | {jac:.1f} | "
@@ -376,12 +400,27 @@ def main(argv: list[str] | None = None) -> dict:
         "floor": floor,
         "rows": rows,
     }
-    target = args.out or (None if args.quick else HERE / "context_budget.json")
-    if target is not None:
-        target.write_text(json.dumps(out, indent=1) + "\n")
-        if not args.quick:
-            (HERE / "CONTEXT_BUDGET.md").write_text(report(out))
+    _write(out, args)
     return out
+
+
+def _write(out: dict, args: argparse.Namespace) -> None:
+    """Write ``out`` (its rows keep the floor of their run), merged with the rows of
+    the paths not run now, as JSON and (not quick) as the Markdown table."""
+    for row in out["rows"]:
+        row["floor"] = out["floor"]  # each row against the floor measured in its run
+    target = args.out or (None if args.quick else HERE / "context_budget.json")
+    if target is None:
+        return
+    if target.exists() and not args.quick:
+        earlier = json.loads(target.read_text())
+        kept = [r for r in earlier["rows"] if r["path"] not in args.paths]
+        for row in kept:
+            row.setdefault("floor", earlier["floor"])
+        out["rows"] = kept + out["rows"]
+    target.write_text(json.dumps(out, indent=1) + "\n")
+    if not args.quick:
+        (HERE / "CONTEXT_BUDGET.md").write_text(report(out))
 
 
 if __name__ == "__main__":
