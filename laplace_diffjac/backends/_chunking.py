@@ -167,15 +167,15 @@ class ChunkedCurvature:
             budget = self.jacobian_budget
             return samples_per_chunk(batch, width, n_params, itemsize, budget)
         device = self.params[0].device if self.params else None
-        memory = get_memory_budget(device)
-        budget = int(memory * JACOBIAN_SHARE)
+        whole_budget = get_memory_budget(device)
+        budget = int(whole_budget * JACOBIAN_SHARE)
         per_sample = width * n_params * itemsize
         if per_sample > budget:
             raise MemoryBudgetError(
                 over_budget(
                     "per-sample Jacobians",
                     int(per_sample / JACOBIAN_SHARE),
-                    memory,
+                    whole_budget,
                     f"One sample's Jacobian takes {format_bytes(per_sample)} "
                     f"({width} outputs × {n_params} parameters × {itemsize} "
                     "bytes), half the budget at most; structures that need no "

@@ -35,6 +35,7 @@ from ...errors import MemoryBudgetError
 from ...jacobians._engine import JacobianFactors
 from ...kernels import explained_trace
 from ...kernels._feature_sizes import FeatureSizes, feature_sizes
+from ..posterior._chunks import largest_fitting
 from ._routes import JacobianRoute, Pieces, Route, piece_tensors, with_piece_tensors
 
 __all__ = ["StepPlan", "budgeted_gap", "feature_chunk", "plan_step", "route_sizes"]
@@ -118,7 +119,7 @@ def plan_step(
         return fixed + held + rows + block
 
     for hold in (True, False):
-        z = _largest(partial(_fits, needs, hold, budget), M)
+        z = largest_fitting(partial(_fits, needs, hold, budget), M)
         if z:
             return StepPlan(z, hold, False, int(needs(z, hold)))
     raise MemoryBudgetError(
@@ -159,18 +160,6 @@ def feature_chunk(sizes: FeatureSizes, chunk: int, budget: int) -> int:
 
 def _fits(needs: Callable[[int, bool], float], hold: bool, budget: int, z: int) -> bool:
     return needs(z, hold) <= budget
-
-
-def _largest(fits: Callable[[int], bool], n: int) -> int:
-    """The largest ``c`` in ``1..n`` with ``fits(c)`` (0 if none); ``fits`` monotone."""
-    lo, hi = 0, max(1, n)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class _Blocks:
