@@ -161,3 +161,30 @@ def test_a_step_nothing_fits_is_refused_before_any_step():
             optimize_locations(
                 model, "classification", x, 3, init=x[:3], steps=2, progress_bar=False
             )
+
+
+def test_the_step_is_planned_in_what_the_training_cache_leaves(monkeypatch):
+    """The cached features stay through the steps: the plan gets the rest."""
+    from laplace_diffjac.context.locations import _optimizer
+
+    seen, caches = [], []
+    plan, cache = _optimizer.plan_step, _optimizer.TrainingCache
+
+    def spy_plan(sizes, M, batch, chunk, budget):
+        seen.append(budget)
+        return plan(sizes, M, batch, chunk, budget)
+
+    def spy_cache(*args, **kwargs):
+        caches.append(cache(*args, **kwargs))
+        return caches[-1]
+
+    monkeypatch.setattr(_optimizer, "plan_step", spy_plan)
+    monkeypatch.setattr(_optimizer, "TrainingCache", spy_cache)
+    x = torch.randn(12, 1, 8, 8, generator=torch.Generator().manual_seed(2), dtype=F64)
+    with laplace_diffjac.memory_budget("64 MiB"):
+        optimize_locations(
+            _cnn(), "classification", x, 3, init=x[:3], steps=1, progress_bar=False
+        )
+    (held,) = [c.held_bytes for c in caches]
+    assert held > 0 and caches[0].pieces is not None  # the features were cached
+    assert seen == [64 * 2**20 - held]
