@@ -22,15 +22,22 @@ On ``--test`` uniform points of the cube it reports the predictive's negative
 log likelihood of the true (standardised) function and the rank correlation of
 the mean with it; at the cube's corners (``2^d``, at most 1024 of them) the mean
 and standard deviation against those at the uniform points (a surrogate that
-predicts more at the corners than inside seeks them); and the true value at the
-point each surrogate's log expected improvement picks (``optimize_acqf`` as in
-``bayesopt.py``) and whether it is a corner (every coordinate within 0.01 of 0
-or 1).
+predicts more at the corners than inside seeks them); and, at the point each
+surrogate's log expected improvement picks (``optimize_acqf`` as in
+``bayesopt.py``), its true value, whether it improves on the best observation,
+its gain over it (in standard deviations of the function), its share of
+coordinates on the cube's faces, and whether it is a corner (every coordinate
+within 0.01 of 0 or 1).
 
 Usage::
 
     python benchmarks/bayesopt/same_network.py                # SAME_NETWORK.md
     python benchmarks/bayesopt/same_network.py --quick --out DIR
+    # issue #44's sizes: the functions where ContextBoTorch stalled, and held out
+    python benchmarks/bayesopt/same_network.py --functions levy six_hump_camel \
+        dixon_price rastrigin three_hump_camel powell --seeds 0 1 2 3 4 5 6 7 8 9 \
+        --initial 16 --raw-samples 64 --no-optimised --workers 2 \
+        --out benchmarks/bayesopt/stall
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import pathlib
 import sys
 import time
@@ -64,6 +72,8 @@ class Settings:
     marglik_iters: int = 100
     restarts: int = 5
     raw_samples: int = 256
+    #: Also the posteriors on ``locations`` optimised locations (``optimised M``).
+    optimised: bool = True
 
 
 QUICK = Settings(
@@ -133,20 +143,22 @@ def _surrogates(net, lbt, X, Y, s: Settings, seed: int) -> dict:
         torch.stack([torch.zeros(X.shape[-1]), torch.ones(X.shape[-1])]).to(X),
         s.location_steps, 512, s.marglik_iters, DiffBackPackGGN, seed,
     )  # fmt: skip
-    Z = choose_locations(settings, net, X, torch.Generator().manual_seed(seed))
     exact_theirs = posterior(X.clone(), (delta, sigma))
     exact_own = posterior(X.clone(), None)
-    optimised = posterior(Z, None)
     transform = lbt.outcome_transform
-    return {
+    models = {
         "LaplaceBoTorch": lbt,
         "exact, its δ σ": _Fixed(exact_theirs, transform, False),
         "exact, its δ σ + noise": _Fixed(exact_theirs, transform, True),
         "exact": _Fixed(exact_own, transform, False),
         "exact + noise": _Fixed(exact_own, transform, True),
-        f"optimised {s.locations}": _Fixed(optimised, transform, False),
-        f"optimised {s.locations} + noise": _Fixed(optimised, transform, True),
     }
+    if s.optimised:
+        Z = choose_locations(settings, net, X, torch.Generator().manual_seed(seed))
+        optimised = posterior(Z, None)
+        models[f"optimised {s.locations}"] = _Fixed(optimised, transform, False)
+        models[f"optimised {s.locations} + noise"] = _Fixed(optimised, transform, True)
+    return models
 
 
 def _hyperparameters(model) -> dict:
@@ -189,7 +201,11 @@ def _measure(model, best, X_test, f_test, corners, problem, s: Settings) -> dict
     lo, hi = problem.bounds
     value = float(problem(lo + (hi - lo) * candidate))
     is_corner = bool(((candidate < 0.01) | (candidate > 0.99)).all())
+    on_faces = (candidate <= 1e-9) | (candidate >= 1 - 1e-9)
     return {
+        "pick_improves": value > float(best),
+        "pick_gain_sd": (value - float(best)) / float(scale),
+        "pick_on_faces": float(on_faces.double().mean()),
         "nll": float(nll.mean()),
         "spearman": float(spearmanr(mean.numpy(), f_test.numpy())[0]),
         "mean_inside": float(mean.mean()),
@@ -233,9 +249,23 @@ def run_case(function: str, seed: int, s: Settings) -> list[dict]:
     return rows
 
 
+def _case(case: tuple[str, int, Settings]) -> list[dict]:
+    """``run_case`` with the warnings of the libraries silenced (a worker's job)."""
+    sys.path.insert(0, str(HERE))  # a spawned worker imports bayesopt from here
+    function, seed, s = case
+    with warnings.catch_warnings():
+        # laplace-bayesopt's KFAC casts a tensor with a gradient to a float and
+        # BoTorch reports restarts that stopped early: the BO benchmark records
+        # these; here they are not what is measured.
+        warnings.simplefilter("ignore")
+        rows = run_case(function, seed, s)
+    print(f"{time.strftime('%H:%M:%S')} {function} {seed}", flush=True)
+    return rows
+
+
 def report(rows: list[dict], s: Settings) -> str:
     """Markdown: per function and surrogate, means over seeds."""
-    from statistics import fmean
+    from statistics import fmean, median
 
     lines = [
         "# One network, two posteriors",
@@ -246,12 +276,17 @@ def report(rows: list[dict], s: Settings) -> str:
         "function standardised); ρ: Spearman's rank correlation of the mean "
         "with the function; mean and sd at the cube's corners against the "
         "uniform points (in the function's units); the acquisition's pick: its "
-        "true value and the share of seeds in which it is a corner; the "
-        "posterior's prior precision δ and noise σ (standardised units).",
+        "true value, the share of seeds in which it improves on the best "
+        "observation, the median over seeds of its gain over that observation "
+        "(in standard deviations of the function at the uniform points), the "
+        "share of its coordinates on the cube's faces, and the share of seeds "
+        "in which it is a corner; the posterior's prior precision δ and noise σ "
+        "(standardised units).",
         "",
         "| function | surrogate | NLL | ρ | mean inside | mean corners | "
-        "sd inside | sd corners | pick value | pick at a corner | δ | σ |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "sd inside | sd corners | pick value | pick improves | pick gain (sd) | "
+        "pick on faces | pick at a corner | δ | σ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(r["function"], r["surrogate"]) for r in rows},
                   key=lambda k: (s.functions.index(k[0]), k[1]))  # fmt: skip
@@ -265,7 +300,9 @@ def report(rows: list[dict], s: Settings) -> str:
             f"| {function} | {name} | {m('nll'):.3g} | {m('spearman'):.2f} | "
             f"{m('mean_inside'):.3g} | {m('mean_corners'):.3g} | "
             f"{m('sd_inside'):.3g} | {m('sd_corners'):.3g} | "
-            f"{m('pick_value'):.3g} | {m('pick_is_corner'):.0%} | "
+            f"{m('pick_value'):.3g} | {m('pick_improves'):.0%} | "
+            f"{median(r['pick_gain_sd'] for r in rs):.2g} | "
+            f"{m('pick_on_faces'):.0%} | {m('pick_is_corner'):.0%} | "
             f"{m('delta'):.3g} | {m('sigma'):.3g} |"
         )
     return "\n".join(lines) + "\n"
@@ -278,22 +315,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
     parser.add_argument("--functions", nargs="+")
     parser.add_argument("--seeds", nargs="+", type=int)
+    parser.add_argument("--initial", type=int)
+    parser.add_argument("--raw-samples", type=int)
+    parser.add_argument("--no-optimised", action="store_true")
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args(argv)
     s = QUICK if args.quick else Settings()
     if args.functions:
         s = replace(s, functions=tuple(args.functions))
     if args.seeds:
         s = replace(s, seeds=tuple(args.seeds))
-    rows = []
-    with warnings.catch_warnings():
-        # laplace-bayesopt's KFAC casts a tensor with a gradient to a float and
-        # BoTorch reports restarts that stopped early: the BO benchmark records
-        # these; here they are not what is measured.
-        warnings.simplefilter("ignore")
-        for function in s.functions:
-            for seed in s.seeds:
-                rows.extend(run_case(function, seed, s))
-                print(f"{time.strftime('%H:%M:%S')} {function} {seed}", flush=True)
+    if args.initial:
+        s = replace(s, initial=args.initial)
+    if args.raw_samples:
+        s = replace(s, raw_samples=args.raw_samples)
+    if args.no_optimised:
+        s = replace(s, optimised=False)
+    cases = [(function, seed, s) for function in s.functions for seed in s.seeds]
+    if args.workers == 1:
+        results = [_case(case) for case in cases]
+    else:
+        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+            results = pool.map(_case, cases)
+    rows = [row for result in results for row in result]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "same_network.json").write_text(
         json.dumps({"settings": asdict(s), "rows": rows}, indent=1)

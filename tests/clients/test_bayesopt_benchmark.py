@@ -138,3 +138,31 @@ def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
     assert "## Headline" in text
     assert (tmp_path / "regret.png").stat().st_size > 0
     assert (tmp_path / "regret_branin.png").stat().st_size > 0
+
+
+def test_caller_standardised_outcomes_leave_the_regret_in_the_function_units() -> None:
+    """``--outcomes caller`` (issue #44's protocol): the surrogate sees the initial
+    design's standardisation and no outcome transform; the regret stays raw."""
+    script = _script()
+    cfg = script.replace(script.QUICK, outcomes="caller", iterations=2)
+    assert script._outcome_transform(cfg) == {}
+    assert set(script._outcome_transform(script.QUICK)) == {"outcome_transform"}
+    record = script.run_task("six_hump_camel", "ContextBoTorch", 0, cfg)
+    problem = script._problem("six_hump_camel")
+    _, Y, _ = script.initial_design(problem, cfg.initial, 0)
+    assert record["regret"][0] == pytest.approx(float(problem.optimal_value - Y.max()))
+    assert len(record["regret"]) == 3
+    assert all(a >= b >= 0 for a, b in zip(record["regret"], record["regret"][1:]))
+
+
+def test_every_function_the_script_names_is_a_botorch_problem() -> None:
+    script = _script()
+    names = script.ALL_FUNCTIONS
+    assert len(set(names)) == len(names) == 13
+    assert not set(script.HELD_OUT_FUNCTIONS) & set(
+        script.FUNCTIONS + script.STALL_FUNCTIONS
+    )
+    for name in names:
+        problem = script._problem(name)
+        assert problem.bounds.shape == (2, problem.dim)
+        assert problem.optimal_value is not None
