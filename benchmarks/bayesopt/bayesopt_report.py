@@ -26,6 +26,33 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
     return mean, statistics.stdev(values) / math.sqrt(len(values))
 
 
+#: The smallest regret the log10 columns take (a regret of 0 found the optimum).
+REGRET_FLOOR = 1e-12
+
+
+def _log10_regret(regret: float) -> float:
+    return math.log10(max(regret, REGRET_FLOOR))
+
+
+def paired_log10_difference(ours: dict, ref: dict) -> tuple[float, float, int]:
+    """Mean ± standard error of log10 final regret minus the reference's.
+
+    Over the seeds both ran: every method starts from the seed's initial design,
+    so the per-seed difference removes the design's luck.
+
+    Returns
+    -------
+    tuple
+        Mean, standard error (NaN for one seed) and the number of seeds.
+    """
+    a, b = ours["final_log10_regret_by_seed"], ref["final_log10_regret_by_seed"]
+    diffs = [a[seed] - b[seed] for seed in a if seed in b]
+    if not diffs:
+        return math.nan, math.nan, 0
+    mean, se = _mean_se(diffs)
+    return mean, se, len(diffs)
+
+
 def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per function and method: final regret, per-iteration seconds, seeds."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -34,6 +61,7 @@ def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     table: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for (function, method), rs in sorted(groups.items()):
         final = [r["regret"][-1] for r in rs]
+        log_final = [_log10_regret(v) for v in final]
         fit = [statistics.fmean(r["fit_s"][1:] or r["fit_s"]) for r in rs]
         acq = [statistics.fmean(r["acq_s"]) for r in rs]
         mean, se = _mean_se(final)
@@ -41,6 +69,11 @@ def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
             "seeds": sorted(r["seed"] for r in rs),
             "final_regret_mean": mean,
             "final_regret_se": se,
+            "final_log10_regret_mean": _mean_se(log_final)[0],
+            "final_log10_regret_se": _mean_se(log_final)[1],
+            "final_log10_regret_by_seed": {
+                str(r["seed"]): v for r, v in zip(rs, log_final)
+            },
             "initial_fit_s": statistics.fmean(r["fit_s"][0] for r in rs),
             "fit_s_per_iteration": statistics.fmean(fit),
             "acq_s_per_iteration": statistics.fmean(acq),
@@ -199,19 +232,29 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
         "Simple regret after the last iteration (optimum minus the best value "
         "observed), mean ± standard error over seeds; seconds per iteration are "
         "process CPU seconds, the mean over iterations: the surrogate's fit or "
-        "update, and the acquisition's optimisation.",
+        "update, and the acquisition's optimisation. log10: of the final regret "
+        f"(floored at {REGRET_FLOOR:g}), mean ± standard error; paired: its "
+        "difference from LaplaceBoTorch's on the same seeds (the same initial "
+        "designs), mean ± standard error (negative: lower regret).",
         "",
-        "| function | method | seeds | final regret | fit/update s | acquisition s "
-        "| s per iteration | × LaplaceBoTorch |",
-        "|---|---|---|---|---|---|---|---|",
+        "| function | method | seeds | final regret | log10 | paired log10 − "
+        "LaplaceBoTorch | fit/update s | acquisition s | s per iteration "
+        "| × LaplaceBoTorch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for function, per in table.items():
         ref = per.get(REFERENCE)
         for method, a in per.items():
             ratio = a["s_per_iteration"] / ref["s_per_iteration"] if ref else math.nan
+            paired = "–"
+            if ref is not None and method != REFERENCE:
+                mean, se, n = paired_log10_difference(a, ref)
+                paired = f"{mean:+.2f} ± {se:.2f} ({n})" if n else "–"
             lines.append(
                 f"| {function} | {method} | {len(a['seeds'])} | "
                 f"{_fmt(a['final_regret_mean'])} ± {_fmt(a['final_regret_se'])} | "
+                f"{a['final_log10_regret_mean']:.2f} ± "
+                f"{a['final_log10_regret_se']:.2f} | {paired} | "
                 f"{_fmt(a['fit_s_per_iteration'])} | {_fmt(a['acq_s_per_iteration'])} "
                 f"| {_fmt(a['s_per_iteration'])} | {_fmt(ratio)} |"
             )

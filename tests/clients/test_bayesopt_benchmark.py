@@ -166,3 +166,30 @@ def test_every_function_the_script_names_is_a_botorch_problem() -> None:
         problem = script._problem(name)
         assert problem.bounds.shape == (2, problem.dim)
         assert problem.optimal_value is not None
+
+
+def test_paired_log10_difference_is_taken_over_the_seeds_both_ran() -> None:
+    report = load_script(ROOT / "benchmarks/bayesopt/bayesopt_report.py", "bo_report")
+
+    def record(method: str, seed: int, final: float) -> dict:
+        return {"function": "f", "method": method, "seed": seed,
+                "regret": [2 * final, final], "fit_s": [1.0, 1.0],
+                "acq_s": [1.0]}  # fmt: skip
+
+    records = [
+        record("ContextBoTorch", 0, 10.0),
+        record("ContextBoTorch", 1, 100.0),
+        record("ContextBoTorch", 2, 1e-3),  # no reference run for seed 2
+        record("LaplaceBoTorch", 0, 1.0),
+        record("LaplaceBoTorch", 1, 1.0),
+        record("LaplaceBoTorch", 3, 0.0),  # found the optimum: floored
+    ]
+    table = report.aggregate(records)["f"]
+    mean, se, n = report.paired_log10_difference(
+        table["ContextBoTorch"], table["LaplaceBoTorch"]
+    )
+    # Seeds 0 and 1: differences 1 and 2 decades.
+    assert (mean, se, n) == (pytest.approx(1.5), pytest.approx(0.5), 2)
+    assert table["LaplaceBoTorch"]["final_log10_regret_mean"] == pytest.approx(-4.0)
+    text = report.markdown(report.aggregate(records), [], {})
+    assert "+1.50 ± 0.50 (2)" in text
