@@ -111,3 +111,24 @@ def _dense_gp(
     eye = torch.eye(len(R)).double()
     cov = Kss - Kzs.T @ R @ torch.linalg.solve(eye + R @ Kzz @ R, R @ Kzs)
     return cov if joint else _per_input(cov, xs.shape[0], Js.shape[1])
+
+
+def small_cnn() -> nn.Module:
+    """A float64 two-convolution network on 1×8×8 images, 3 outputs (seed 0)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 4, 3, stride=2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(36, 3),
+    ).to(torch.float64)
+
+
+def small_mlp() -> nn.Module:
+    """A float64 4-16-16-3 tanh network (seed 0)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    ).to(torch.float64)

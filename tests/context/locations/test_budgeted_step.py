@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import laplace_diffjac
 from laplace_diffjac import DiffBackPackGGN
@@ -32,35 +31,17 @@ from laplace_diffjac.context.locations._routes import (
     make_route,
 )
 from laplace_diffjac.kernels import output_hessians
+from tests.context.helpers import small_cnn, small_mlp
 from tests.references import reference_jacobians
 
 F64 = torch.float64
 JITTER = 1e-6
 
 
-def _cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 3, 3, padding=1),
-        nn.Tanh(),
-        nn.Conv2d(3, 4, 3, stride=2),
-        nn.Tanh(),
-        nn.Flatten(),
-        nn.Linear(36, 3),
-    ).to(F64)
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
-    ).to(F64)
-
-
 CASES = {
-    "structured": (_mlp, (4,), None, StructuredRoute),
-    "factors": (_cnn, (1, 8, 8), None, FactorRoute),
-    "jacobians": (_cnn, (1, 8, 8), False, JacobianRoute),
+    "structured": (small_mlp, (4,), None, StructuredRoute),
+    "factors": (small_cnn, (1, 8, 8), None, FactorRoute),
+    "jacobians": (small_cnn, (1, 8, 8), False, JacobianRoute),
 }
 
 
@@ -130,7 +111,7 @@ def test_budgeted_step_equals_the_reference_gap_and_gradient(case):
 # no budget chooses blocks; its blocks are tested with given plans above.
 @pytest.mark.parametrize("structured", [None])
 def test_optimiser_under_a_small_budget_takes_the_unbudgeted_steps(structured):
-    model = _cnn()
+    model = small_cnn()
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(24, 1, 8, 8, generator=gen, dtype=F64)
     z0 = x[:4].clone()
@@ -154,7 +135,7 @@ def test_optimiser_under_a_small_budget_takes_the_unbudgeted_steps(structured):
 
 
 def test_a_step_nothing_fits_is_refused_before_any_step():
-    model = _cnn()
+    model = small_cnn()
     x = torch.randn(12, 1, 8, 8, dtype=F64)
     with laplace_diffjac.memory_budget("4 KiB"):
         with pytest.raises(laplace_diffjac.MemoryBudgetError, match="location step"):
@@ -183,7 +164,7 @@ def test_the_step_is_planned_in_what_the_training_cache_leaves(monkeypatch):
     x = torch.randn(12, 1, 8, 8, generator=torch.Generator().manual_seed(2), dtype=F64)
     with laplace_diffjac.memory_budget("64 MiB"):
         optimize_locations(
-            _cnn(), "classification", x, 3, init=x[:3], steps=1, progress_bar=False
+            small_cnn(), "classification", x, 3, init=x[:3], steps=1, progress_bar=False
         )
     (held,) = [c.held_bytes for c in caches]
     assert held > 0 and caches[0].pieces is not None  # the features were cached

@@ -14,38 +14,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import laplace_diffjac
 from laplace_diffjac import ContextPosterior, DiffBackPackGGN, DiffFuncGGN
 from laplace_diffjac.context.posterior._chunks import ChunkedFeatures, plan_chunks
 from laplace_diffjac.kernels._feature_sizes import feature_sizes
+from tests.context.helpers import small_cnn, small_mlp
 
 F64 = torch.float64
 
 
-def _cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 3, 3, padding=1),
-        nn.Tanh(),
-        nn.Conv2d(3, 4, 3, stride=2),
-        nn.Tanh(),
-        nn.Flatten(),
-        nn.Linear(36, 3),
-    ).to(F64)
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
-    ).to(F64)
-
-
 def _problem(kind: str, likelihood: str):
     gen = torch.Generator().manual_seed(3)
-    model = _cnn() if kind == "cnn" else _mlp()
+    model = small_cnn() if kind == "cnn" else small_mlp()
     shape = (1, 8, 8) if kind == "cnn" else (4,)
     x = torch.randn(30, *shape, generator=gen, dtype=F64)
     with torch.no_grad():
