@@ -38,34 +38,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BUDGETS = ("none", "default", "512 MiB")
 
-
-def build(quick: bool):
-    """The seeded model: torchvision's ResNet, one BasicBlock per stage, no norm."""
-    import torch
-    from torch import nn
-    from torchvision.models.resnet import BasicBlock, ResNet
-
-    torch.manual_seed(0)
-    if quick:
-        return nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(8, 8, 3, stride=2, padding=1),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(8, 10),
-        ).eval()
-    return ResNet(
-        BasicBlock, [1, 1, 1, 1], num_classes=10, norm_layer=nn.Identity
-    ).eval()
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
+# The CIFAR ResNet of the NTK's budget rows (its CPU model) and the memory probe.
+sys.path.insert(0, str(ROOT / "benchmarks" / "jacobians"))
+from ntk_budget import build, rss_kib  # noqa: E402
 
 
 def _data(cfg: dict):
@@ -95,7 +70,7 @@ def measure_row(cfg: dict) -> dict:
         with memory_budget(budget):
             cp = ContextPosterior(model, "classification", z)
             Path("/proc/self/clear_refs").write_text("5")
-            base = _rss_kib("VmRSS")
+            base = rss_kib("VmRSS")
             start = time.perf_counter()
             cp.fit((x, y))
             row["fit_s"] = time.perf_counter() - start
@@ -103,7 +78,7 @@ def measure_row(cfg: dict) -> dict:
             _, var = cp._glm_predictive_distribution(xs)
             row["predict_s"] = time.perf_counter() - start
             evidence = cp.log_marginal_likelihood()
-        row["peak_gib"] = max(_rss_kib("VmHWM") - base, 0) / 2**20
+        row["peak_gib"] = max(rss_kib("VmHWM") - base, 0) / 2**20
         chunks = cp._chunks
         assert chunks is not None
         row["plan"] = (
@@ -133,7 +108,7 @@ def measure_step(cfg: dict) -> dict:
     try:
         with memory_budget(budget):
             Path("/proc/self/clear_refs").write_text("5")
-            base = _rss_kib("VmRSS")
+            base = rss_kib("VmRSS")
             start = time.perf_counter()
             result = optimize_locations(
                 model, "classification", x, cfg["locations"], init=z,
@@ -143,7 +118,7 @@ def measure_step(cfg: dict) -> dict:
             row["plan"] = _step_plan(model, z, cfg["minibatch"], cfg["n_data"])
         times = result.history.time
         row["step_s"] = (times[-1] - times[0]) / (len(times) - 1)
-        row["peak_gib"] = max(_rss_kib("VmHWM") - base, 0) / 2**20
+        row["peak_gib"] = max(rss_kib("VmHWM") - base, 0) / 2**20
         objective = torch.tensor(result.history.objective, dtype=torch.float64)
         torch.save(
             {"locations": result.locations, "objective": objective}, cfg["result"]

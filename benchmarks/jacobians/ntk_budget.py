@@ -89,7 +89,7 @@ def build(quick: bool, model: str = "resnet"):
     ).eval()
 
 
-def _rss_kib(field: str) -> int:
+def rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -98,7 +98,7 @@ def _rss_kib(field: str) -> int:
 
 def _reset_peak() -> int:
     Path("/proc/self/clear_refs").write_text("5")
-    return _rss_kib("VmRSS")
+    return rss_kib("VmRSS")
 
 
 def measure(cfg: dict) -> dict:
@@ -142,7 +142,7 @@ def measure(cfg: dict) -> dict:
             torch.cuda.synchronize(device)
         row["seconds"] = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) // 1024 if cuda else None
-        peak = _rss_kib("VmHWM") if peak is None else peak
+        peak = rss_kib("VmHWM") if peak is None else peak
         row["peak_gib"] = max(peak - base, 0) / 2**20
         torch.save({"K": K.cpu(), "g": g.cpu()}, cfg["result"])
     except Exception as exc:  # noqa: BLE001 (a failure is a result)
