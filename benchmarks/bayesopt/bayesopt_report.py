@@ -53,6 +53,28 @@ def paired_log10_difference(ours: dict, ref: dict) -> tuple[float, float, int]:
     return mean, se, len(diffs)
 
 
+#: Iterations counted as "early" in the improving-iterations table: the updates
+#: before ``ContextBoTorch``'s first retraining (it retrains every 10 updates).
+EARLY_ITERATIONS = 10
+
+
+def _improving_shares(records: list[dict]) -> dict[str, float | None]:
+    """Share of the iterations that lowered the regret, early and after.
+
+    Iterations ``1..EARLY_ITERATIONS`` and the rest, pooled over seeds (None
+    where the runs have none).
+    """
+    early, late = [], []
+    for r in records:
+        steps = [b < a for a, b in zip(r["regret"], r["regret"][1:])]
+        early += steps[:EARLY_ITERATIONS]
+        late += steps[EARLY_ITERATIONS:]
+    return {
+        "improving_early": statistics.fmean(early) if early else None,
+        "improving_late": statistics.fmean(late) if late else None,
+    }
+
+
 def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per function and method: final regret, per-iteration seconds, seeds."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -85,6 +107,7 @@ def aggregate(records: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
             "seconds_mean": [
                 statistics.fmean(c) for c in zip(*(_elapsed(r) for r in rs))
             ],
+            **_improving_shares(rs),
             "warnings": sorted({w for r in rs for w in r.get("warnings", [])}),
             **_posterior_calls(rs),
         }
@@ -259,6 +282,23 @@ def markdown(table: dict, rows: list[dict], run: dict) -> str:
                 f"| {_fmt(a['s_per_iteration'])} | {_fmt(ratio)} |"
             )
     lines += _acquisition_lines(table)
+    lines += [
+        "",
+        "## Improving iterations",
+        "",
+        "Share of the iterations whose observation lowered the simple regret, "
+        f"pooled over seeds: iterations 1–{EARLY_ITERATIONS} (before "
+        "ContextBoTorch's first retraining) and after.",
+        "",
+        f"| function | method | 1–{EARLY_ITERATIONS} | after |",
+        "|---|---|---|---|",
+    ]
+    for function, per in table.items():
+        for method, a in per.items():
+            lines.append(
+                f"| {function} | {method} | {_percent(a['improving_early'])} | "
+                f"{_percent(a['improving_late'])} |"
+            )
     lines += ["", "## Criterion", "",
               "ContextBoTorch's mean final regret no worse than LaplaceBoTorch's "
               "within one standard error (the larger of the two) on every function, "

@@ -124,8 +124,9 @@ def test_quick_bayesopt_benchmark_runs_every_method(tmp_path: Path) -> None:
     }
     text = (tmp_path / "BAYESOPT.md").read_text()
     lines = text.splitlines()
-    # Every method, and the headline; then every method's acquisition counts.
-    assert sum(line.startswith("| branin |") for line in lines) == METHODS + 1
+    # Every method twice (regrets, improving iterations), and the headline; then
+    # every method's acquisition counts.
+    assert sum(line.startswith("| branin |") for line in lines) == 2 * METHODS + 1
     assert (
         sum(
             line.endswith("|")
@@ -193,3 +194,20 @@ def test_paired_log10_difference_is_taken_over_the_seeds_both_ran() -> None:
     assert table["LaplaceBoTorch"]["final_log10_regret_mean"] == pytest.approx(-4.0)
     text = report.markdown(report.aggregate(records), [], {})
     assert "+1.50 ± 0.50 (2)" in text
+    # One iteration per record, each lowering the regret (2·final to final):
+    # all early, none after.
+    assert table["ContextBoTorch"]["improving_early"] == 1.0
+    assert table["ContextBoTorch"]["improving_late"] is None
+    assert "| f | ContextBoTorch | 100 % | – |" in text
+
+
+def test_improving_iterations_are_split_at_the_first_retraining() -> None:
+    report = load_script(ROOT / "benchmarks/bayesopt/bayesopt_report.py", "bo_report")
+    assert report.EARLY_ITERATIONS == 10
+    regret = [5.0, 4.0, 4.0, 3.0, 3, 3, 3, 3, 3, 3, 3, 2.0, 2.0]
+    record = {"function": "f", "method": "m", "seed": 0, "regret": regret,
+              "fit_s": [1.0] * 13, "acq_s": [1.0] * 12}  # fmt: skip
+    a = report.aggregate([record])["f"]["m"]
+    # Iterations 1 and 3 of the first ten improved, then 11 of 11 and 12.
+    assert a["improving_early"] == pytest.approx(0.2)
+    assert a["improving_late"] == pytest.approx(0.5)
