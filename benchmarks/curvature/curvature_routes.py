@@ -55,10 +55,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import resource
-import subprocess
 import sys
 import time
 import traceback
@@ -66,6 +64,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "jacobians"))
+from fresh_process import run_worker  # noqa: E402
+
 IMAGE_MODELS = ["resnet-nobn", "resnet-bn", "resnet-nobn-c100"]
 #: The zoo's text models (``benchmarks/zoo/zoo_builders.py``), dict-like batches.
 TEXT_MODELS = ["gpt2-lora", "bert"]
@@ -285,21 +286,9 @@ def measure(cfg: dict) -> dict:
 
 def _in_fresh_process(cfg: dict, timeout: float) -> dict:
     """``measure(cfg)`` in a new interpreter (``--worker``), with its own limits."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
-    env["MKL_NUM_THREADS"] = str(cfg["threads"])
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
-    cmd += ["--memory-limit-gib", str(cfg["memory_limit_gib"])]
-    row = {k: cfg[k] for k in ("model", "method", "variant", "n", "batch")}
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired:
-        return dict(row, error=f"timeout: past {timeout:.0f} s")
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or [""])[-1]
-        return dict(row, error=f"process exited {proc.returncode}: {tail}"[:300])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    keys = ("model", "method", "variant", "n", "batch")
+    limit = ["--memory-limit-gib", str(cfg["memory_limit_gib"])]
+    return run_worker(Path(__file__).resolve(), cfg, timeout, keys, limit)
 
 
 def _with_ratios(rows: list[dict]) -> list[dict]:

@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +44,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+from fresh_process import run_worker  # noqa: E402
 
 ROUTES = ["factors", "jacobians"]
 #: The budgets of the rows: the CPU default, a small one, none (1 TiB).
@@ -151,19 +151,8 @@ def measure(cfg: dict) -> dict:
 
 
 def _fresh(cfg: dict, timeout: float) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
-    row = {k: cfg[k] for k in ("route", "budget", "batch")}
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired:
-        return dict(row, error=f"timeout: past {timeout:.0f} s")
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or [""])[-1]
-        return dict(row, error=f"process exited {proc.returncode}: {tail}"[:300])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    keys = ("route", "budget", "batch")
+    return run_worker(Path(__file__).resolve(), cfg, timeout, keys)
 
 
 def _compare(rows: list[dict], results: dict) -> None:
