@@ -5,7 +5,10 @@ float64 sums), one prediction at 64 test inputs and the evidence, for ``M``
 locations and three budgets (``none``: 1 TiB; ``default``: 2 GiB on a CPU;
 ``512 MiB``), each in a fresh process with two threads; its added peak is the
 resident high-water mark above its value before ``fit``. Each row's predictive
-variance and evidence are compared with the same ``M``'s ``none`` row.
+variance and evidence are compared with the same ``M``'s float64 ``none`` row.
+``--dtypes float64 float32`` adds rows whose posterior computes in float32
+(``compute_dtype``): their differences are float32's error (issue #42, item 4),
+their floor is measured in float32.
 
 The floor (issue #42): one Jacobian pass over the data (``DiffBackPackGGN.jacobians``
 on 16 images, in chunks of 8, scaled to ``N``) plus ``P M C²`` multiply-adds per
@@ -27,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ BUDGETS = ("none", "default", "512 MiB")
 
 # The CIFAR ResNet of the NTK's budget rows (its CPU model) and the memory probe.
 sys.path.insert(0, str(ROOT / "benchmarks" / "jacobians"))
+from fresh_process import run_worker  # noqa: E402
 from ntk_budget import build, rss_kib  # noqa: E402
 
 
@@ -65,10 +67,11 @@ def measure_row(cfg: dict) -> dict:
     model = build(cfg["quick"])
     x, y, z, xs = _data(cfg)
     budget = {"default": None, "none": "1 TiB"}.get(cfg["budget"], cfg["budget"])
-    row = {k: cfg[k] for k in ("path", "locations", "budget", "n_data")}
+    row = {k: cfg[k] for k in ("path", "locations", "budget", "n_data", "dtype")}
+    dtype = getattr(torch, cfg["dtype"])
     try:
         with memory_budget(budget):
-            cp = ContextPosterior(model, "classification", z)
+            cp = ContextPosterior(model, "classification", z, compute_dtype=dtype)
             Path("/proc/self/clear_refs").write_text("5")
             base = rss_kib("VmRSS")
             start = time.perf_counter()
@@ -161,16 +164,17 @@ def measure_floor(cfg: dict) -> dict:
     from laplace_diffjac import DiffBackPackGGN
 
     torch.set_num_threads(cfg["threads"])
-    a = torch.randn(2048, 2048, dtype=torch.float64)
+    dtype = getattr(torch, cfg["dtype"])
+    a = torch.randn(2048, 2048, dtype=dtype)
     a @ a
     start = time.perf_counter()
     for _ in range(3):
         a @ a
     rate = 3 * 2 * 2048**3 / (time.perf_counter() - start)
-    model = build(cfg["quick"]).double()
+    model = build(cfg["quick"]).to(dtype)
     backend = DiffBackPackGGN(model, "classification")
     x, _, _, _ = _data(dict(cfg, n_data=16, locations=1))
-    x = x.double()
+    x = x.to(dtype)
     backend.jacobians(x[:2], enable_backprop=False)
     start = time.perf_counter()
     for chunk in x.split(8):
@@ -181,18 +185,7 @@ def measure_floor(cfg: dict) -> dict:
 
 
 def _fresh(cfg: dict, timeout: float) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired:
-        return dict(cfg, error=f"timeout: past {timeout:.0f} s")
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or [""])[-1]
-        return dict(cfg, error=f"process exited {proc.returncode}: {tail}"[:300])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(Path(__file__).resolve(), cfg, timeout)
 
 
 def _floor_s(floor: dict, row: dict, n_outputs: int = 10) -> float:
@@ -203,29 +196,44 @@ def _floor_s(floor: dict, row: dict, n_outputs: int = 10) -> float:
 
 
 def _compare(rows: list[dict], results: dict) -> None:
-    """Each row's largest relative difference to its path's and ``M``'s ``none`` row."""
+    """Each row's largest relative differences to its path's and ``M``'s float64
+    ``none`` row: per result (``rel_diffs``) and the largest (``rel_diff``)."""
     for row in rows:
         key = (row["path"], row["locations"])
-        ref, got = results.get((*key, "none")), results.get((*key, row["budget"]))
+        ref = results.get((*key, "none", "float64"))
+        got = results.get((*key, row["budget"], row.get("dtype", "float64")))
         if ref is None or got is None:
             continue
-        diffs = [
-            float((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-300))
+        diffs = {
+            k: float(
+                (got[k].double() - ref[k].double()).abs().max()
+                / ref[k].double().abs().max().clamp_min(1e-300)
+            )
             for k in ref
-        ]
-        row["rel_diff"] = max(diffs)
+        }
+        row["rel_diffs"] = diffs
+        row["rel_diff"] = max(diffs.values())
 
 
 def _floors_in_words(rows: list[dict], default: dict) -> str:
     """The distinct floors of ``rows``, per path, in words."""
     seen: dict[str, dict] = {}
     for row in rows:
-        seen.setdefault(row["path"], row.get("floor", default))
+        dtype = row.get("dtype", "float64")
+        seen.setdefault(f"{row['path']} rows ({dtype})", row.get("floor", default))
     return "; ".join(
-        f"{path} rows: {f['jacobian_s_per_input']:.3f} s an image, "
+        f"{group}: {f['jacobian_s_per_input']:.3f} s an image, "
         f"{f['flops_per_s'] / 1e9:.1f} GFLOP/s"
-        for path, f in seen.items()
+        for group, f in seen.items()
     )
+
+
+def _diffs_in_words(row: dict) -> str:
+    """The predictive variance's and the evidence's relative differences."""
+    diffs = row.get("rel_diffs")
+    if diffs is None:
+        return f"{row.get('rel_diff', 0.0):.1e}"
+    return f"{diffs['var']:.1e} / {diffs['evidence']:.1e}"
 
 
 def report(results: dict) -> str:
@@ -236,20 +244,20 @@ def report(results: dict) -> str:
         "",
         f"Generated by `python benchmarks/context_posterior/context_budget.py`: "
         f"torchvision's ResNet (one BasicBlock per stage, no batch norm, 10 classes, "
-        f"P = {floor['P']:,}), random 3 × 32 × 32 images, classification, float64, "
+        f"P = {floor['P']:,}), random 3 × 32 × 32 images, classification, "
         f"{meta['threads']} threads, torch {meta['torch']}, {meta['machine']}, "
         f"{meta['date']}. Each row a fresh process; peak: resident memory above its "
-        "value before `fit`. The floor: one Jacobian pass over the data "
-        "(measured on 16 images) plus P·M·C² multiply-adds per image at the "
-        "float64 matmul rate, both measured in the same run as the row ("
+        "value before `fit`. dtype: the posterior's `compute_dtype`. The floor: "
+        "one Jacobian pass over the data (measured on 16 images) plus P·M·C² "
+        "multiply-adds per image at the matmul rate of the row's dtype, both "
+        "measured in the same run as the row ("
         + _floors_in_words(results["rows"], floor)
-        + "). `rel. diff`: the "
-        "largest relative difference of the predictive variance and the evidence "
-        "to the same M's `none` row.",
+        + "). `rel. diff`: the largest relative difference of the predictive "
+        "variance / of the evidence to the same M's float64 `none` row.",
         "",
-        "| M | N | budget | plan | fit s | floor s | fit / floor | predict 64 s "
-        "| peak GiB | rel. diff |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "| M | N | budget | dtype | plan | fit s | floor s | fit / floor "
+        "| predict 64 s | peak GiB | rel. diff |",
+        "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     steps = [row for row in results["rows"] if row["path"] == "step"]
     for row in results["rows"]:
@@ -258,15 +266,17 @@ def report(results: dict) -> str:
         if "error" in row:
             lines.append(
                 f"| {row['locations']} | {row['n_data']} | {row['budget']} | "
-                f"{row['error']} | – | – | – | – | – | – |"
+                f"{row.get('dtype', 'float64')} | {row['error']} | – | – | – | – "
+                "| – | – |"
             )
             continue
         floor_s = _floor_s(row.get("floor", floor), row)
         lines.append(
             f"| {row['locations']} | {row['n_data']} | {row['budget']} | "
-            f"{row['plan']} | {row['fit_s']:.1f} | {floor_s:.1f} | "
-            f"{row['fit_s'] / floor_s:.2f} | {row['predict_s']:.2f} | "
-            f"{row['peak_gib']:.2f} | {row.get('rel_diff', 0.0):.1e} |"
+            f"{row.get('dtype', 'float64')} | {row['plan']} | {row['fit_s']:.1f} | "
+            f"{floor_s:.1f} | {row['fit_s'] / floor_s:.2f} | "
+            f"{row['predict_s']:.2f} | {row['peak_gib']:.2f} | "
+            f"{_diffs_in_words(row)} |"
         )
     if steps:
         lines += [
@@ -326,6 +336,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--locations", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--n-data", type=int, default=512)
     parser.add_argument("--budgets", nargs="+", default=list(BUDGETS))
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float64"], choices=["float64", "float32"]
+    )
     parser.add_argument("--paths", nargs="+", default=["fit", "step"])
     parser.add_argument("--step-locations", type=int, default=32)
     parser.add_argument("--minibatch", type=int, default=128)
@@ -349,20 +362,27 @@ def main(argv: list[str] | None = None) -> dict:
     base = {"quick": args.quick, "threads": args.threads, "n_data": args.n_data}
     if args.quick:
         base["n_data"] = min(args.n_data, 24)
-    floor = _fresh(dict(base, floor=True), args.timeout)
+    dtypes = list(dict.fromkeys(["float64", *args.dtypes]))
+    floors = {d: _fresh(dict(base, floor=True, dtype=d), args.timeout) for d in dtypes}
+    floor = floors["float64"]
     rows, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for path, cfg_path in _configs(args):
             m = cfg_path["locations"]
-            for budget in args.budgets:
-                result = str(Path(tmp) / f"{path}-{m}-{budget}.pt")
-                cfg = dict(base, **cfg_path, budget=budget, result=result)
-                row = _fresh(cfg, args.timeout)
-                row.pop("result", None)
-                rows.append(row)
-                if "error" not in row:
-                    results[(path, m, budget)] = torch.load(result)
-                print(json.dumps(row), flush=True)
+            # the optimiser's step computes in the model's dtype: float64 rows only
+            for dtype in args.dtypes if path == "fit" else ["float64"]:
+                for budget in args.budgets:
+                    result = str(Path(tmp) / f"{path}-{m}-{budget}-{dtype}.pt")
+                    cfg = dict(
+                        base, **cfg_path, budget=budget, result=result, dtype=dtype
+                    )
+                    row = _fresh(cfg, args.timeout)
+                    row.pop("result", None)
+                    row["floor"] = floors[dtype]
+                    rows.append(row)
+                    if "error" not in row:
+                        results[(path, m, budget, dtype)] = torch.load(result)
+                    print(json.dumps(row), flush=True)
         _compare(rows, results)
     out = {
         "meta": {
@@ -383,7 +403,7 @@ def _write(out: dict, args: argparse.Namespace) -> None:
     """Write ``out`` (its rows keep the floor of their run), merged with the rows of
     the paths not run now, as JSON and (not quick) as the Markdown table."""
     for row in out["rows"]:
-        row["floor"] = out["floor"]  # each row against the floor measured in its run
+        row.setdefault("floor", out["floor"])  # against the floor of its run
     target = args.out or (None if args.quick else HERE / "context_budget.json")
     if target is None:
         return
