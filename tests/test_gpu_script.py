@@ -40,7 +40,10 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     record = json.loads((out / "gpu_run.json").read_text())
     steps = {s["name"]: s for s in record["steps"]}
-    assert list(steps) == ["environment", "tests", "jacobians", "ntk", "ntk_budget"]
+    context = ["context:fit", "context:step", "context:large"]
+    assert list(steps) == [
+        "environment", "tests", "ntk_budget", *context, "ntk", "jacobians"
+    ]  # fmt: skip
     assert all(s["ok"] for s in steps.values()), record
     assert sum(s["seconds"] for s in steps.values()) < record["budget_s"] == 450
     tests = steps["tests"]["notes"]
@@ -58,7 +61,21 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     assert budgeted["meta"]["device"] == "cpu"
     assert all("seconds" in r for r in budgeted["rows"]), budgeted["rows"]
     assert "| B | route | budget | s | peak GiB |" in text
-    logs = ("logs/tests.log", "logs/ntk_budget.log")
+    fit = json.loads((out / "context_fit.json").read_text())
+    assert fit["meta"]["device"] == "cpu" and fit["meta"]["reference"] == "default"
+    assert [(r["dtype"], r["budget"]) for r in fit["rows"]] == [
+        ("float64", "default"), ("float32", "default")
+    ]  # fmt: skip
+    assert all("fit_s" in r for r in fit["rows"]), fit["rows"]
+    # float32's error against float64, measured, not zero and not large
+    assert 0 < fit["rows"][1]["rel_diff"] < 1e-3
+    step = json.loads((out / "context_step.json").read_text())
+    assert [r["path"] for r in step["rows"]] == ["step"] and "step_s" in step["rows"][0]
+    large = json.loads((out / "context_large.json").read_text())
+    assert all("fit_s" in r for r in large["rows"]), large["rows"]
+    assert "| M | N | budget | dtype | plan |" in text
+    assert "| M | N | minibatch | budget | plan |" in text
+    logs = ("logs/tests.log", "logs/ntk_budget.log", "logs/context-fit.log")
     for name in ("RESULTS.md", "NTK_ROUTES.md", "NTK_BUDGET.md", "tests.xml", *logs):
         assert (out / name).exists(), name
 

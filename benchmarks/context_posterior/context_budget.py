@@ -5,7 +5,8 @@ float64 sums), one prediction at 64 test inputs and the evidence, for ``M``
 locations and three budgets (``none``: 1 TiB; ``default``: 2 GiB on a CPU;
 ``512 MiB``), each in a fresh process with two threads; its added peak is the
 resident high-water mark above its value before ``fit``. Each row's predictive
-variance and evidence are compared with the same ``M``'s float64 ``none`` row.
+variance and evidence are compared with the same ``M``'s float64 row under the
+first budget listed (``none`` by default).
 ``--dtypes float64 float32`` adds rows whose posterior computes in float32
 (``compute_dtype``): their differences are float32's error (issue #42, item 4),
 their floor is measured in float32.
@@ -20,10 +21,16 @@ beat the contraction the floor counts.
 the Nyström gap with ``M`` = 32 locations from the first images and minibatches of
 128 out of 256 images, seconds a step against one minibatch's Jacobian pass.
 
+On a GPU (``--device cuda --model resnet18-cifar``, as ``benchmarks/gpu/run_on_gpu.py``
+runs it): torchvision's ResNet-18 with the CIFAR stem, peak memory from the CUDA
+allocator (above its value before the call), times after synchronising, the floor's
+matmul rate from a 4096² product.
+
 Run: ``python benchmarks/context_posterior/context_budget.py [--quick]
-[--locations 16 64] [--n-data 512] [--paths fit step]``; results go to
-``context_budget.json`` and ``CONTEXT_BUDGET.md`` beside this script (``--quick``:
-only where ``--out`` says).
+[--locations 16 64] [--n-data 512] [--paths fit step] [--device cuda]
+[--model resnet18-cifar] [--out JSON --markdown MD]``; results go to
+``context_budget.json`` and ``CONTEXT_BUDGET.md`` beside this script unless
+``--out`` is given (``--quick``: only where ``--out`` says).
 """
 
 from __future__ import annotations
@@ -53,7 +60,41 @@ def _data(cfg: dict):
     x = torch.randn(cfg["n_data"], 3, size, size, generator=gen)
     y = torch.randint(0, 10, (cfg["n_data"],), generator=gen)
     xs = torch.randn(64, 3, size, size, generator=gen)
+    device = cfg.get("device", "cpu")
+    x, y, xs = x.to(device), y.to(device), xs.to(device)
     return x, y, x[: cfg["locations"]].clone(), xs
+
+
+def _model(cfg: dict):
+    """The row's model on the row's device."""
+    return build(cfg["quick"], cfg.get("model", "resnet")).to(cfg.get("device", "cpu"))
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_from_here(device):
+    """A function giving the peak memory added since this call, in GiB: the CUDA
+    allocator's on a GPU, the resident high-water mark on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+
+        def peak() -> float:
+            torch.cuda.synchronize(device)
+            return max(torch.cuda.max_memory_allocated(device) - start, 0) / 2**30
+
+        return peak
+    Path("/proc/self/clear_refs").write_text("5")
+    base = rss_kib("VmRSS")
+    return lambda: max(rss_kib("VmHWM") - base, 0) / 2**20
 
 
 def measure_row(cfg: dict) -> dict:
@@ -64,7 +105,8 @@ def measure_row(cfg: dict) -> dict:
     from laplace_diffjac.budget import memory_budget
 
     torch.set_num_threads(cfg["threads"])
-    model = build(cfg["quick"])
+    model = _model(cfg)
+    device = next(model.parameters()).device
     x, y, z, xs = _data(cfg)
     budget = {"default": None, "none": "1 TiB"}.get(cfg["budget"], cfg["budget"])
     row = {k: cfg[k] for k in ("path", "locations", "budget", "n_data", "dtype")}
@@ -72,16 +114,17 @@ def measure_row(cfg: dict) -> dict:
     try:
         with memory_budget(budget):
             cp = ContextPosterior(model, "classification", z, compute_dtype=dtype)
-            Path("/proc/self/clear_refs").write_text("5")
-            base = rss_kib("VmRSS")
+            peak = _peak_from_here(device)
             start = time.perf_counter()
             cp.fit((x, y))
+            _synchronize(device)
             row["fit_s"] = time.perf_counter() - start
             start = time.perf_counter()
             _, var = cp._glm_predictive_distribution(xs)
+            _synchronize(device)
             row["predict_s"] = time.perf_counter() - start
             evidence = cp.log_marginal_likelihood()
-        row["peak_gib"] = max(rss_kib("VmHWM") - base, 0) / 2**20
+        row["peak_gib"] = peak()
         chunks = cp._chunks
         assert chunks is not None
         row["plan"] = (
@@ -90,7 +133,8 @@ def measure_row(cfg: dict) -> dict:
             else f"chunks of {chunks.data}, locations in blocks of {chunks.locations}"
             f" ({'held' if chunks.hold_locations else 'recomputed'})"
         )
-        torch.save({"var": var, "evidence": evidence.detach()}, cfg["result"])
+        result = {"var": var.cpu(), "evidence": evidence.detach().cpu()}
+        torch.save(result, cfg["result"])
     except Exception as exc:  # noqa: BLE001 (a failure is a result)
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:300]
     return row
@@ -104,28 +148,28 @@ def measure_step(cfg: dict) -> dict:
     from laplace_diffjac.context import optimize_locations
 
     torch.set_num_threads(cfg["threads"])
-    model = build(cfg["quick"])
+    model = _model(cfg)
+    device = next(model.parameters()).device
     x, _, z, _ = _data(cfg)
     budget = {"default": None, "none": "1 TiB"}.get(cfg["budget"], cfg["budget"])
     row = {k: cfg[k] for k in ("path", "locations", "budget", "n_data", "minibatch")}
     try:
         with memory_budget(budget):
-            Path("/proc/self/clear_refs").write_text("5")
-            base = rss_kib("VmRSS")
+            peak = _peak_from_here(device)
             start = time.perf_counter()
             result = optimize_locations(
                 model, "classification", x, cfg["locations"], init=z,
                 steps=3, batch_size=cfg["minibatch"], patience=0, progress_bar=False,
             )  # fmt: skip
+            _synchronize(device)
             row["total_s"] = time.perf_counter() - start
+            row["peak_gib"] = peak()
             row["plan"] = _step_plan(model, z, cfg["minibatch"], cfg["n_data"])
         times = result.history.time
         row["step_s"] = (times[-1] - times[0]) / (len(times) - 1)
-        row["peak_gib"] = max(rss_kib("VmHWM") - base, 0) / 2**20
         objective = torch.tensor(result.history.objective, dtype=torch.float64)
-        torch.save(
-            {"locations": result.locations, "objective": objective}, cfg["result"]
-        )
+        locations = result.locations.detach().cpu()
+        torch.save({"locations": locations, "objective": objective}, cfg["result"])
     except Exception as exc:  # noqa: BLE001 (a failure is a result)
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:300]
     return row
@@ -133,7 +177,6 @@ def measure_step(cfg: dict) -> dict:
 
 def _step_plan(model, z, minibatch: int, n_data: int) -> str:
     """The plan the optimiser's step takes under the budget in force, in words."""
-    import torch
 
     from laplace_diffjac import DiffBackPackGGN
     from laplace_diffjac.budget import get_memory_budget
@@ -144,10 +187,11 @@ def _step_plan(model, z, minibatch: int, n_data: int) -> str:
     )
     from laplace_diffjac.context.locations._routes import make_route
 
+    device = next(model.parameters()).device
     backend = DiffBackPackGGN(model, "classification")
-    route = make_route(backend, 1.0, None, torch.device("cpu"))
+    route = make_route(backend, 1.0, None, device)
     sizes = route_sizes(route, z)
-    budget = get_memory_budget("cpu")
+    budget = get_memory_budget(device)
     cached = n_data * sizes.features  # the training cache keeps them if ≤ 1/4
     left = budget - (cached if cached <= budget / 4 else 0)
     plan = plan_step(sizes, len(z), minibatch, feature_chunk(sizes, 256, budget), left)
@@ -165,20 +209,26 @@ def measure_floor(cfg: dict) -> dict:
 
     torch.set_num_threads(cfg["threads"])
     dtype = getattr(torch, cfg["dtype"])
-    a = torch.randn(2048, 2048, dtype=dtype)
+    device = torch.device(cfg.get("device", "cpu"))
+    size, repeats = (4096, 10) if device.type == "cuda" else (2048, 3)
+    a = torch.randn(size, size, dtype=dtype, device=device)
     a @ a
+    _synchronize(device)
     start = time.perf_counter()
-    for _ in range(3):
+    for _ in range(repeats):
         a @ a
-    rate = 3 * 2 * 2048**3 / (time.perf_counter() - start)
-    model = build(cfg["quick"]).to(dtype)
+    _synchronize(device)
+    rate = repeats * 2 * size**3 / (time.perf_counter() - start)
+    model = _model(cfg).to(dtype)
     backend = DiffBackPackGGN(model, "classification")
     x, _, _, _ = _data(dict(cfg, n_data=16, locations=1))
     x = x.to(dtype)
     backend.jacobians(x[:2], enable_backprop=False)
+    _synchronize(device)
     start = time.perf_counter()
     for chunk in x.split(8):
         backend.jacobians(chunk, enable_backprop=False)
+    _synchronize(device)
     per_input = (time.perf_counter() - start) / len(x)
     n_params = sum(p.numel() for p in model.parameters())
     return {"flops_per_s": rate, "jacobian_s_per_input": per_input, "P": n_params}
@@ -195,12 +245,13 @@ def _floor_s(floor: dict, row: dict, n_outputs: int = 10) -> float:
     return n * floor["jacobian_s_per_input"] + contraction
 
 
-def _compare(rows: list[dict], results: dict) -> None:
+def _compare(rows: list[dict], results: dict, reference: str = "none") -> None:
     """Each row's largest relative differences to its path's and ``M``'s float64
-    ``none`` row: per result (``rel_diffs``) and the largest (``rel_diff``)."""
+    row under the ``reference`` budget: per result (``rel_diffs``) and the largest
+    (``rel_diff``)."""
     for row in rows:
         key = (row["path"], row["locations"])
-        ref = results.get((*key, "none", "float64"))
+        ref = results.get((*key, reference, "float64"))
         got = results.get((*key, row["budget"], row.get("dtype", "float64")))
         if ref is None or got is None:
             continue
@@ -239,26 +290,41 @@ def _diffs_in_words(row: dict) -> str:
 def report(results: dict) -> str:
     """The Markdown table of ``results``."""
     meta, floor = results["meta"], results["floor"]
+    device = meta.get("device", "cpu")
+    model = (
+        "torchvision's ResNet-18 with the CIFAR stem (no max pooling"
+        if meta.get("model") == "resnet18-cifar"
+        else "torchvision's ResNet (one BasicBlock per stage, no batch norm"
+    )
+    memory = (
+        "the CUDA allocator's peak above its value"
+        if device.startswith("cuda")
+        else "resident memory above its value"
+    )
     lines = [
         "# `ContextPosterior` on a CIFAR ResNet within the memory budget",
         "",
         f"Generated by `python benchmarks/context_posterior/context_budget.py`: "
-        f"torchvision's ResNet (one BasicBlock per stage, no batch norm, 10 classes, "
-        f"P = {floor['P']:,}), random 3 × 32 × 32 images, classification, "
-        f"{meta['threads']} threads, torch {meta['torch']}, {meta['machine']}, "
-        f"{meta['date']}. Each row a fresh process; peak: resident memory above its "
-        "value before `fit`. dtype: the posterior's `compute_dtype`. The floor: "
+        f"{model}, 10 classes, P = {floor['P']:,}), random 3 × 32 × 32 images, "
+        f"classification, on `{device}`, {meta['threads']} threads, torch "
+        f"{meta['torch']}, {meta['machine']}, {meta['date']}. Each row a fresh "
+        f"process; peak: {memory} before `fit` (before the call, for steps). "
+        "dtype: the posterior's `compute_dtype`. The floor: "
         "one Jacobian pass over the data (measured on 16 images) plus P·M·C² "
         "multiply-adds per image at the matmul rate of the row's dtype, both "
         "measured in the same run as the row ("
         + _floors_in_words(results["rows"], floor)
         + "). `rel. diff`: the largest relative difference of the predictive "
-        "variance / of the evidence to the same M's float64 `none` row.",
-        "",
-        "| M | N | budget | dtype | plan | fit s | floor s | fit / floor "
-        "| predict 64 s | peak GiB | rel. diff |",
-        "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "variance / of the evidence to the same M's float64 row under the "
+        f"`{meta.get('reference', 'none')}` budget.",
     ]
+    if any(row["path"] == "fit" for row in results["rows"]):
+        lines += [
+            "",
+            "| M | N | budget | dtype | plan | fit s | floor s | fit / floor "
+            "| predict 64 s | peak GiB | rel. diff |",
+            "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
     steps = [row for row in results["rows"] if row["path"] == "step"]
     for row in results["rows"]:
         if row["path"] != "fit":
@@ -283,10 +349,10 @@ def report(results: dict) -> str:
             "",
             "`optimize_locations`, three steps of the Nyström gap from the first M "
             "images, seconds a step (the mean of the last two), against one "
-            "minibatch's Jacobian pass at the rate above; peak: resident memory "
-            "above its value before the call (the training cache included); "
+            f"minibatch's Jacobian pass at the rate above; peak: {memory} "
+            "before the call (the training cache included); "
             "`rel. diff`: the locations and the objective of each step against the "
-            "`none` row (the model is float32).",
+            f"`{meta.get('reference', 'none')}` row (the model is float32).",
             "",
             "| M | N | minibatch | budget | plan | s a step | Jacobian pass s "
             "| step / pass | peak GiB | rel. diff |",
@@ -345,7 +411,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-data", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--model", default="resnet", choices=["resnet", "resnet18-cifar"]
+    )
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
     if args.worker:
         cfg = json.loads(args.worker)
@@ -360,12 +431,24 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     base = {"quick": args.quick, "threads": args.threads, "n_data": args.n_data}
+    base.update(device=args.device, model=args.model)
     if args.quick:
         base["n_data"] = min(args.n_data, 24)
     dtypes = list(dict.fromkeys(["float64", *args.dtypes]))
     floors = {d: _fresh(dict(base, floor=True, dtype=d), args.timeout) for d in dtypes}
-    floor = floors["float64"]
-    rows, results = [], {}
+    meta = {
+        "device": args.device,
+        "model": args.model,
+        "reference": args.budgets[0],
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "quick": args.quick,
+    }
+    rows: list[dict] = []
+    results: dict = {}
+    out = {"meta": meta, "floor": floors["float64"], "rows": rows}
     with tempfile.TemporaryDirectory() as tmp:
         for path, cfg_path in _configs(args):
             m = cfg_path["locations"]
@@ -383,19 +466,10 @@ def main(argv: list[str] | None = None) -> dict:
                     if "error" not in row:
                         results[(path, m, budget, dtype)] = torch.load(result)
                     print(json.dumps(row), flush=True)
-        _compare(rows, results)
-    out = {
-        "meta": {
-            "threads": args.threads,
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%d"),
-            "quick": args.quick,
-        },
-        "floor": floor,
-        "rows": rows,
-    }
-    _write(out, args)
+                    # written after every row: a run cut short keeps what it did
+                    _compare(rows, results, reference=args.budgets[0])
+                    out = dict(out, rows=list(rows))
+                    _write(out, args)
     return out
 
 
@@ -414,8 +488,11 @@ def _write(out: dict, args: argparse.Namespace) -> None:
             row.setdefault("floor", earlier["floor"])
         out["rows"] = kept + out["rows"]
     target.write_text(json.dumps(out, indent=1) + "\n")
-    if not args.quick:
-        (HERE / "CONTEXT_BUDGET.md").write_text(report(out))
+    markdown = args.markdown
+    if markdown is None and args.out is None and not args.quick:
+        markdown = HERE / "CONTEXT_BUDGET.md"
+    if markdown is not None:
+        markdown.write_text(report(out))
 
 
 if __name__ == "__main__":

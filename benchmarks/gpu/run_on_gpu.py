@@ -13,13 +13,28 @@ starts (``OUT`` is where the results go, e.g. ``$OUT`` of a device run):
 3. **Device tests** (at most 120 s): ``tests/test_devices.py``, every test that
    takes a ``device`` (CPU, and CUDA when torch sees a GPU), JUnit XML in
    ``OUT/tests.xml``.
-4. **Jacobian benchmark rows** (at most 170 s): ``benchmarks/jacobians/run.py`` at
+4. **NTK within the memory budget** (at most 120 s): ``ntk_budget.py`` on
+   ResNet-18 with the CIFAR stem, B = 16 and 64: ``OUT/ntk_budget.json``,
+   ``OUT/NTK_BUDGET.md``.
+5. **The context posterior and the location step at real size** (issue #42), each
+   its own step, each row its own process, under the GPU's default memory budget
+   (``benchmarks/context_posterior/context_budget.py``, ResNet-18 with the CIFAR
+   stem): ``context:fit`` (at most 160 s), M = 64, N = 2,000, float64 and float32
+   (the float32 error against float64: the compute dtype's measurement),
+   ``OUT/CONTEXT_FIT.md``; ``context:step`` (at most 100 s), ``optimize_locations``
+   with M = 100, N = 10,000, minibatches of 256, ``OUT/CONTEXT_STEP.md``;
+   ``context:large`` (at most 200 s), M = 256, N = 10,000, float64,
+   ``OUT/CONTEXT_LARGE.md``. Each writes its JSON after every row.
+6. **NTK routes** (at most 110 s): ``benchmarks/jacobians/ntk_routes.py`` at its
+   recorded sizes, 3 interleaved rounds, with FLOPs: ``OUT/ntk_routes.json``,
+   ``OUT/NTK_ROUTES.md``.
+7. **Jacobian benchmark rows** (at most 170 s): ``benchmarks/jacobians/run.py`` at
    the README's headline configurations (MLP 2×256, C=10, B=128; CNN, C=10, B=32;
    the structured Gram of a width-512 MLP at B=256), every route, one timing
    process, on the device: ``OUT/RESULTS.md``, ``OUT/results.json``.
-5. **NTK routes** (at most 110 s): ``benchmarks/jacobians/ntk_routes.py`` at its
-   recorded sizes, 3 interleaved rounds, with FLOPs: ``OUT/ntk_routes.json``,
-   ``OUT/NTK_ROUTES.md``.
+
+The real-size rows come first, the rows an earlier GPU run recorded last: within
+the budget the last steps may be cut off or skipped.
 
 Every step runs in a subprocess with a hard time limit, the smaller of its own
 and what is left of ``--budget`` (default 450 s, leaving half a minute of the 8
@@ -51,6 +66,7 @@ from dataclasses import asdict, dataclass, field
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 JACOBIANS = ROOT / "benchmarks" / "jacobians"
+CONTEXT_BUDGET = ROOT / "benchmarks" / "context_posterior" / "context_budget.py"
 
 #: The README's headline rows of ``run.py`` (Jacobians, and the structured Gram).
 HEADLINE_CONFIGS = ["mlp2x256-C10-B128", "cnn-w64-C10-B32", "mlp2x512-C1-B256"]
@@ -66,6 +82,9 @@ LIMITS = {
     "jacobians": 170,
     "ntk": 110,
     "ntk_budget": 120,
+    "context:fit": 160,
+    "context:step": 100,
+    "context:large": 200,
 }
 
 #: What a working interpreter imports (the tests' and benchmarks' dependencies).
@@ -104,7 +123,8 @@ class Runner:
 
     def run(self, name: str, command: list[str], env: dict | None = None) -> Step:
         """Run ``command`` from the repository root, its output in ``logs/``."""
-        limit = max(0.0, min(LIMITS[name.split(":")[0]], self.left()))
+        key = name if name in LIMITS else name.split(":")[0]  # setup:pip: setup
+        limit = max(0.0, min(LIMITS[key], self.left()))
         step = Step(name, [str(c) for c in command], round(limit, 1))
         step.log = f"logs/{name.replace(':', '-')}.log"
         self.steps.append(step)
@@ -220,6 +240,23 @@ def steps(runner: Runner, python: str, device: str, quick: bool) -> None:
         + ["no:cacheprovider", f"--junitxml={out / 'tests.xml'}"],
     )
     tests.notes.update(test_counts(out / "tests.xml"))
+    # ResNet-18 (CIFAR stem) ntk + d/dx within the memory budget, each row its
+    # own process
+    sizes = ["--quick", "--batch", "4", "--jacobian-batch", "4"] if quick else []
+    sizes = sizes or ["--model", "resnet18-cifar", "--batch", "16", "64"]
+    sizes += [] if quick else ["--jacobian-batch", "16"]
+    runner.run(
+        "ntk_budget",
+        [python, JACOBIANS / "ntk_budget.py", "--device", device, *sizes]
+        + ["--out", out / "ntk_budget.json", "--markdown", out / "NTK_BUDGET.md"],
+    )
+    context_steps(runner, python, device, quick)
+    rounds = ["--quick", "--repeats", "1"] if quick else ["--repeats", "3"]
+    runner.run(
+        "ntk",
+        [python, JACOBIANS / "ntk_routes.py", "--device", device, *rounds]
+        + ["--out", out / "ntk_routes.json", "--markdown", out / "NTK_ROUTES.md"],
+    )
     if quick:
         configs, extra = QUICK_CONFIGS, ["--quick", "--methods", *QUICK_METHODS]
     else:
@@ -232,22 +269,48 @@ def steps(runner: Runner, python: str, device: str, quick: bool) -> None:
         + [*extra, "--timeout", "100", "--out", out / "RESULTS.md"]
         + ["--json", out / "results.json"],
     )
-    rounds = ["--quick", "--repeats", "1"] if quick else ["--repeats", "3"]
-    runner.run(
-        "ntk",
-        [python, JACOBIANS / "ntk_routes.py", "--device", device, *rounds]
-        + ["--out", out / "ntk_routes.json", "--markdown", out / "NTK_ROUTES.md"],
-    )
-    # ResNet-18 (CIFAR stem) ntk + d/dx within the memory budget, each row its
-    # own process; what the budget leaves of the run (the last step)
-    sizes = ["--quick", "--batch", "4", "--jacobian-batch", "4"] if quick else []
-    sizes = sizes or ["--model", "resnet18-cifar", "--batch", "16", "64"]
-    sizes += [] if quick else ["--jacobian-batch", "16"]
-    runner.run(
-        "ntk_budget",
-        [python, JACOBIANS / "ntk_budget.py", "--device", device, *sizes]
-        + ["--out", out / "ntk_budget.json", "--markdown", out / "NTK_BUDGET.md"],
-    )
+
+
+#: The context rows (issue #42, item 5): step name, output stem, arguments at
+#: real size, and at the smoke size of ``--quick``.
+CONTEXT_ROWS = [
+    (
+        "context:fit",
+        "context_fit",
+        ["--paths", "fit", "--locations", "64", "--n-data", "2000"]
+        + ["--dtypes", "float64", "float32"],
+        ["--paths", "fit", "--dtypes", "float64", "float32"],
+    ),
+    (
+        "context:step",
+        "context_step",
+        ["--paths", "step", "--step-locations", "100", "--step-data", "10000"]
+        + ["--minibatch", "256"],
+        ["--paths", "step"],
+    ),
+    (
+        "context:large",
+        "context_large",
+        ["--paths", "fit", "--locations", "256", "--n-data", "10000"],
+        ["--paths", "fit"],
+    ),
+]
+
+
+def context_steps(runner: Runner, python: str, device: str, quick: bool) -> None:
+    """The context posterior's and the location step's real-size rows, each step
+    its own ``context_budget.py`` run under the device's default budget."""
+    model = ["--quick"] if quick else ["--model", "resnet18-cifar"]
+    for name, stem, sizes, quick_sizes in CONTEXT_ROWS:
+        limit = LIMITS[name]
+        runner.run(
+            name,
+            [python, CONTEXT_BUDGET, "--device", device, *model]
+            + (quick_sizes if quick else sizes)
+            + ["--budgets", "default", "--timeout", str(limit)]
+            + ["--out", runner.out / f"{stem}.json"]
+            + ["--markdown", runner.out / f"{stem.upper()}.md"],
+        )
 
 
 def _section(path: pathlib.Path, start: str) -> list[str]:
@@ -288,6 +351,15 @@ def summary(runner: Runner, device: str, quick: bool, budget: float) -> str:
     gram = _section(runner.out / "RESULTS.md", "| config | allocator | P | route |")
     ntk = _section(runner.out / "NTK_ROUTES.md", "| model | B |")
     budgeted = _section(runner.out / "NTK_BUDGET.md", "| B | route | budget |")
+    context = [
+        line
+        for stem in ("CONTEXT_FIT", "CONTEXT_LARGE", "CONTEXT_STEP")
+        for line in [
+            *_section(runner.out / f"{stem}.md", "| M | N | budget | dtype |"),
+            *_section(runner.out / f"{stem}.md", "| M | N | minibatch |"),
+            "",
+        ]
+    ]
     return "\n".join(
         [
             f"# laplace_diffjac on `{device}`" + (" (quick)" if quick else ""),
@@ -320,6 +392,9 @@ def summary(runner: Runner, device: str, quick: bool, budget: float) -> str:
             "",
             *(budgeted or ["(no table: see the log)"]),
             "",
+            "## Context posterior and location step (`CONTEXT_*.md`)",
+            "",
+            *(context if any(context) else ["(no table: see the logs)", ""]),
         ]
     )
 
