@@ -97,6 +97,18 @@ def _peak_from_here(device):
     return lambda: max(rss_kib("VmHWM") - base, 0) / 2**20
 
 
+def _set_up(cfg: dict, keys: tuple[str, ...]):
+    """A row's model, its device, the data, the budget as ``memory_budget`` takes
+    it, and the row with the settings ``keys``."""
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    model = _model(cfg)
+    budget = {"default": None, "none": "1 TiB"}.get(cfg["budget"], cfg["budget"])
+    row = {k: cfg[k] for k in keys}
+    return model, next(model.parameters()).device, _data(cfg), budget, row
+
+
 def measure_row(cfg: dict) -> dict:
     """One posterior row in this process."""
     import torch
@@ -104,12 +116,8 @@ def measure_row(cfg: dict) -> dict:
     from laplace_diffjac import ContextPosterior
     from laplace_diffjac.budget import memory_budget
 
-    torch.set_num_threads(cfg["threads"])
-    model = _model(cfg)
-    device = next(model.parameters()).device
-    x, y, z, xs = _data(cfg)
-    budget = {"default": None, "none": "1 TiB"}.get(cfg["budget"], cfg["budget"])
-    row = {k: cfg[k] for k in ("path", "locations", "budget", "n_data", "dtype")}
+    keys = ("path", "locations", "budget", "n_data", "dtype")
+    model, device, (x, y, z, xs), budget, row = _set_up(cfg, keys)
     dtype = getattr(torch, cfg["dtype"])
     try:
         with memory_budget(budget):
@@ -147,12 +155,8 @@ def measure_step(cfg: dict) -> dict:
     from laplace_diffjac.budget import memory_budget
     from laplace_diffjac.context import optimize_locations
 
-    torch.set_num_threads(cfg["threads"])
-    model = _model(cfg)
-    device = next(model.parameters()).device
-    x, _, z, _ = _data(cfg)
-    budget = {"default": None, "none": "1 TiB"}.get(cfg["budget"], cfg["budget"])
-    row = {k: cfg[k] for k in ("path", "locations", "budget", "n_data", "minibatch")}
+    keys = ("path", "locations", "budget", "n_data", "minibatch")
+    model, device, (x, _, z, _), budget, row = _set_up(cfg, keys)
     try:
         with memory_budget(budget):
             peak = _peak_from_here(device)
