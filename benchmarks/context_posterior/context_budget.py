@@ -49,7 +49,7 @@ BUDGETS = ("none", "default", "512 MiB")
 # The CIFAR ResNet of the NTK's budget rows (its CPU model) and the memory probe.
 sys.path.insert(0, str(ROOT / "benchmarks" / "jacobians"))
 from fresh_process import run_worker  # noqa: E402
-from ntk_budget import build, rss_kib  # noqa: E402
+from ntk_budget import build, peak_from_here, synchronize  # noqa: E402
 
 
 def _data(cfg: dict):
@@ -68,33 +68,6 @@ def _data(cfg: dict):
 def _model(cfg: dict):
     """The row's model on the row's device."""
     return build(cfg["quick"], cfg.get("model", "resnet")).to(cfg.get("device", "cpu"))
-
-
-def _synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _peak_from_here(device):
-    """A function giving the peak memory added since this call, in GiB: the CUDA
-    allocator's on a GPU, the resident high-water mark on the CPU."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-
-        def peak() -> float:
-            torch.cuda.synchronize(device)
-            return max(torch.cuda.max_memory_allocated(device) - start, 0) / 2**30
-
-        return peak
-    Path("/proc/self/clear_refs").write_text("5")
-    base = rss_kib("VmRSS")
-    return lambda: max(rss_kib("VmHWM") - base, 0) / 2**20
 
 
 def _set_up(cfg: dict, keys: tuple[str, ...]):
@@ -122,14 +95,14 @@ def measure_row(cfg: dict) -> dict:
     try:
         with memory_budget(budget):
             cp = ContextPosterior(model, "classification", z, compute_dtype=dtype)
-            peak = _peak_from_here(device)
+            peak = peak_from_here(device)
             start = time.perf_counter()
             cp.fit((x, y))
-            _synchronize(device)
+            synchronize(device)
             row["fit_s"] = time.perf_counter() - start
             start = time.perf_counter()
             _, var = cp._glm_predictive_distribution(xs)
-            _synchronize(device)
+            synchronize(device)
             row["predict_s"] = time.perf_counter() - start
             evidence = cp.log_marginal_likelihood()
         row["peak_gib"] = peak()
@@ -159,13 +132,13 @@ def measure_step(cfg: dict) -> dict:
     model, device, (x, _, z, _), budget, row = _set_up(cfg, keys)
     try:
         with memory_budget(budget):
-            peak = _peak_from_here(device)
+            peak = peak_from_here(device)
             start = time.perf_counter()
             result = optimize_locations(
                 model, "classification", x, cfg["locations"], init=z,
                 steps=3, batch_size=cfg["minibatch"], patience=0, progress_bar=False,
             )  # fmt: skip
-            _synchronize(device)
+            synchronize(device)
             row["total_s"] = time.perf_counter() - start
             row["peak_gib"] = peak()
             row["plan"] = _step_plan(model, z, cfg["minibatch"], cfg["n_data"])
@@ -217,22 +190,22 @@ def measure_floor(cfg: dict) -> dict:
     size, repeats = (4096, 10) if device.type == "cuda" else (2048, 3)
     a = torch.randn(size, size, dtype=dtype, device=device)
     a @ a
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         a @ a
-    _synchronize(device)
+    synchronize(device)
     rate = repeats * 2 * size**3 / (time.perf_counter() - start)
     model = _model(cfg).to(dtype)
     backend = DiffBackPackGGN(model, "classification")
     x, _, _, _ = _data(dict(cfg, n_data=16, locations=1))
     x = x.to(dtype)
     backend.jacobians(x[:2], enable_backprop=False)
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     for chunk in x.split(8):
         backend.jacobians(chunk, enable_backprop=False)
-    _synchronize(device)
+    synchronize(device)
     per_input = (time.perf_counter() - start) / len(x)
     n_params = sum(p.numel() for p in model.parameters())
     return {"flops_per_s": rate, "jacobian_s_per_input": per_input, "P": n_params}

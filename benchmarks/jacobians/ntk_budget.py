@@ -96,9 +96,32 @@ def rss_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _reset_peak() -> int:
+def synchronize(device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA), before reading a clock."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_from_here(device):
+    """A function giving the peak memory added since this call, in GiB: the CUDA
+    allocator's on a GPU, the resident high-water mark on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+
+        def peak() -> float:
+            torch.cuda.synchronize(device)
+            return max(torch.cuda.max_memory_allocated(device) - start, 0) / 2**30
+
+        return peak
     Path("/proc/self/clear_refs").write_text("5")
-    return rss_kib("VmRSS")
+    base = rss_kib("VmRSS")
+    return lambda: max(rss_kib("VmHWM") - base, 0) / 2**20
 
 
 def measure(cfg: dict) -> dict:
@@ -127,23 +150,14 @@ def measure(cfg: dict) -> dict:
 
     row = {k: cfg[k] for k in ("route", "budget", "batch")}
     row["n_params"] = sum(p.numel() for p in model.parameters())
-    cuda = device.type == "cuda"
     try:
         step(x[:2])
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device) // 1024
-        else:
-            base = _reset_peak()
+        peak = peak_from_here(device)
         start = time.perf_counter()
         K, g = step(x)
-        if cuda:
-            torch.cuda.synchronize(device)
+        synchronize(device)
         row["seconds"] = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated(device) // 1024 if cuda else None
-        peak = rss_kib("VmHWM") if peak is None else peak
-        row["peak_gib"] = max(peak - base, 0) / 2**20
+        row["peak_gib"] = peak()
         torch.save({"K": K.cpu(), "g": g.cpu()}, cfg["result"])
     except Exception as exc:  # noqa: BLE001 (a failure is a result)
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:300]
