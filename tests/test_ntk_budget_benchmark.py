@@ -31,4 +31,5 @@ def test_quick_ntk_budget_rows_run_and_agree(tmp_path: Path) -> None:
         assert "error" not in row, row
         assert row["seconds"] > 0 and row["rel_diff"] < 1e-5  # float32 model
     text = md.read_text()
-    assert "| B | route | budget | s | peak GiB | × none | rel. diff |" in text
+    assert "| B | route | budget | s | peak GiB | × none | GFLOP | GFLOP/s |" in text
+    assert all(r["gflop"] > 0 for r in rows)

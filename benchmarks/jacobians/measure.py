@@ -171,9 +171,33 @@ def counted_flops(fn: Callable[[], object]) -> int:
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    counter = FlopCounterMode(display=False)
+    # Totals only: the counter's module tracker hooks every module's backward,
+    # and those hooks fail inside a backward that calls ``autograd.grad`` (the
+    # memory budget's recomputation), so it is swapped for one that tracks none.
+    counter.mod_tracker = _NoModules()  # type: ignore[assignment]
+    with counter:
         fn()
     return int(counter.get_total_flops())
+
+
+class _NoModules:
+    """A stand-in for ``FlopCounterMode``'s module tracker: every count is global."""
+
+    parents = {"Global"}
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def matmul_size(device: torch.device, quick: bool) -> int:
+    """A square matmul big enough to reach the device's rate (smaller if quick)."""
+    if device.type == "cuda":
+        return 1024 if quick else 8192
+    return 512 if quick else 2048
 
 
 def matmul_gflop_per_s(device: torch.device, size: int, reps: int = 5) -> float:

@@ -19,7 +19,11 @@ a fresh process; ``peak GiB`` is the resident memory above its value before the
 step (``VmHWM`` after ``clear_refs``), ``s`` a single cold run after a warm-up on
 two images. ``rel. diff`` compares each row's Gram and gradient with those of
 the same route and batch without a budget: the budget changes memory and time
-only.
+only. ``GFLOP`` counts the matmul-like kernels of one more step (forward and
+backward, ``torch.utils.flop_counter``, a budget's recomputation included), and
+the report gives that count over the row's time against a square float32
+matmul's rate measured in the same run: how near each path runs to the device's
+FLOP floor (issue #42, item 2).
 
 On a GPU (``--device cuda``, with ``--model resnet18-cifar`` for the real-size
 rows: ResNet-18 with the CIFAR stem, P = 11.2 M), ``peak GiB`` is the CUDA
@@ -46,6 +50,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 from fresh_process import run_worker  # noqa: E402
+from measure import counted_flops, matmul_gflop_per_s, matmul_size  # noqa: E402
 
 ROUTES = ["factors", "jacobians"]
 #: The budgets of the rows: the CPU default, a small one, none (1 TiB).
@@ -159,6 +164,8 @@ def measure(cfg: dict) -> dict:
         row["seconds"] = time.perf_counter() - start
         row["peak_gib"] = peak()
         torch.save({"K": K.cpu(), "g": g.cpu()}, cfg["result"])
+        del K, g
+        row["gflop"] = counted_flops(lambda: step(x)) / 1e9
     except Exception as exc:  # noqa: BLE001 (a failure is a result)
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:300]
     return row
@@ -208,23 +215,33 @@ def report(results: dict) -> str:
         f"after a warm-up on two images; peak: {peak} above its value "
         "before the step. `× none` is the time against the same route and batch "
         "without a budget; `rel. diff` the largest relative difference of the Gram "
-        "and its gradient to that row's.",
+        "and its gradient to that row's. GFLOP: the matmul-like kernels of one more "
+        "step (forward and backward), counted by `torch.utils.flop_counter` (two per "
+        "multiply-add; elementwise work, copies and reductions count zero), "
+        "recomputation under a budget included; GFLOP/s: that count over the row's "
+        "time; % of matmul: that rate over a square float32 matmul's on the same "
+        f"device and threads ({meta['matmul_gflop_per_s']:.0f} GFLOP/s), the "
+        "practical ceiling of contraction-bound work.",
         "",
-        "| B | route | budget | s | peak GiB | × none | rel. diff |",
-        "|---:|---|---|---:|---:|---:|---:|",
+        "| B | route | budget | s | peak GiB | × none | GFLOP | GFLOP/s | "
+        "% of matmul | rel. diff |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
         if "error" in r:
             lines.append(
-                f"| {r['batch']} | {r['route']} | {r['budget']} | – | – | – | "
-                f"{r['error']} |"
+                f"| {r['batch']} | {r['route']} | {r['budget']} | – | – | – | – | – "
+                f"| – | {r['error']} |"
             )
             continue
         ratio = f"{r['time_ratio']:.2f}" if "time_ratio" in r else "–"
         diff = f"{r['rel_diff']:.1e}" if "rel_diff" in r else "–"
+        rate = r["gflop"] / r["seconds"]
+        share = 100 * rate / meta["matmul_gflop_per_s"]
         lines.append(
             f"| {r['batch']} | {r['route']} | {r['budget']} | {r['seconds']:.2f} | "
-            f"{r['peak_gib']:.2f} | {ratio} | {diff} |"
+            f"{r['peak_gib']:.2f} | {ratio} | {r['gflop']:.3g} | {rate:.3g} | "
+            f"{share:.1f} | {diff} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -270,7 +287,10 @@ def main(argv: list[str] | None = None) -> dict:
                 if "seconds" in row:
                     files[(route, budget, batch)] = result
         _compare(rows, files)
+    torch.set_num_threads(args.threads)
+    where = torch.device(args.device)
     meta = {
+        "matmul_gflop_per_s": matmul_gflop_per_s(where, matmul_size(where, args.quick)),
         "device": args.device,
         "model": args.model,
         "threads": args.threads,

@@ -60,7 +60,12 @@ sys.path[:0] = [HERE, ROOT]  # the harness beside it, and this checkout's packag
 
 import torch  # noqa: E402
 from allocator import ALLOCATORS, applied, process_environment  # noqa: E402
-from measure import counted_flops, matmul_gflop_per_s, synchronized  # noqa: E402
+from measure import (  # noqa: E402
+    counted_flops,
+    matmul_gflop_per_s,
+    matmul_size,
+    synchronized,
+)  # noqa: E402
 from ntk_report import render  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.func import functional_call, jacrev, jvp, vjp, vmap  # noqa: E402
@@ -279,13 +284,6 @@ def run_case(
     return rows
 
 
-def _matmul_size(device: torch.device, quick: bool) -> int:
-    """A square matmul big enough to reach the device's rate (smaller if quick)."""
-    if device.type == "cuda":
-        return 1024 if quick else 8192
-    return 512 if quick else 2048
-
-
 def run(quick: bool = False, repeats: int = 3, device: str = "cpu") -> dict:
     """Time every route on every case in this process; seconds, ratios, FLOPs."""
     where = torch.device(device)
@@ -294,7 +292,7 @@ def run(quick: bool = False, repeats: int = 3, device: str = "cpu") -> dict:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "device": str(where),
-        "matmul_gflop_per_s": matmul_gflop_per_s(where, _matmul_size(where, quick)),
+        "matmul_gflop_per_s": matmul_gflop_per_s(where, matmul_size(where, quick)),
         "cases": {},
     }
     if where.type == "cuda":
