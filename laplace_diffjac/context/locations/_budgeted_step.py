@@ -57,6 +57,10 @@ class StepPlan:
         Everything at once with its graph (the unbudgeted step).
     needs : int
         Bytes held at once, as counted.
+    hold_batch : bool, default=True
+        The minibatch's features (without graph) are held through the step;
+        ``False``: each use computes its chunk's features again
+        (:class:`._batch_pieces.RecomputedPieces`).
 
     """
 
@@ -64,6 +68,7 @@ class StepPlan:
     hold: bool
     whole: bool
     needs: int
+    hold_batch: bool = True
 
 
 def plan_step(
@@ -72,7 +77,8 @@ def plan_step(
     """The largest blocks of locations whose step fits ``budget`` bytes.
 
     Counted: the step's ``(MC)²`` and ``MC × bC`` matrices and their gradients
-    (four of each), the minibatch's features, and per plan the locations'
+    (four of each), the minibatch's features (held, or one chunk's at a time
+    while it is computed again for each use), and per plan the locations'
     features (with their graph for the whole step; without, held or recomputed,
     otherwise) and the Grams' working memory: every Gram's graph, kept for the
     backward pass, in the whole step (``sizes.graph_gram``); otherwise one
@@ -105,31 +111,41 @@ def plan_step(
     """
     M, C = n_locations, sizes.n_outputs
     chunk = max(1, min(chunk, batch))
-    fixed = 8.0 * 4 * (M * C) * (M * C + batch * C) + batch * sizes.features
+    matrices = 8.0 * 4 * (M * C) * (M * C + batch * C)
+    held_batch = batch * sizes.features
+    one_chunk = chunk * (sizes.features + sizes.transient)
     grams = sizes.graph_gram(M, M) + sizes.graph_gram(M, batch)
-    whole = fixed + M * sizes.graph + grams
+    whole = matrices + held_batch + M * sizes.graph + grams
     if whole <= budget:
         return StepPlan(M, True, True, int(whole))
 
-    def needs(z: int, hold: bool) -> float:
+    def needs(z: int, hold: bool, hold_batch: bool) -> float:
+        minibatch = held_batch if hold_batch else one_chunk
         held = M * sizes.features if hold else z * (sizes.transient + sizes.features)
         rows = z * (sizes.graph + sizes.features + sizes.transient)
         columns = max(z, chunk)
         block = max(sizes.gram(z, columns), sizes.graph_gram(z, columns))
-        return fixed + held + rows + block
+        return matrices + minibatch + held + rows + block
 
-    for hold in (True, False):
-        z = largest_fitting(partial(_fits, needs, hold, budget), M)
+    # Holding saves recomputation: of the minibatch's features, once per block of
+    # locations and pass; of the locations', once per pair of blocks.
+    for hold_batch, hold in (
+        (True, True),
+        (True, False),
+        (False, True),
+        (False, False),
+    ):
+        z = largest_fitting(partial(_fits, needs, hold, hold_batch, budget), M)
         if z:
-            return StepPlan(z, hold, False, int(needs(z, hold)))
+            return StepPlan(z, hold, False, int(needs(z, hold, hold_batch)), hold_batch)
     raise MemoryBudgetError(
         over_budget(
             f"A location step with {M} locations and a minibatch of {batch}",
-            int(needs(1, False)),
+            int(needs(1, False, False)),
             budget,
             f"One input's features take {format_bytes(sizes.features)} "
             f"({format_bytes(sizes.graph)} with their graph); the step's matrices "
-            f"{format_bytes(fixed)}. Fewer locations or a smaller batch_size fit.",
+            f"{format_bytes(matrices)}. Fewer locations or a smaller batch_size fit.",
         )
     )
 
@@ -158,8 +174,14 @@ def feature_chunk(sizes: FeatureSizes, chunk: int, budget: int) -> int:
     return max(1, min(chunk, int(budget / 4 // max(sizes.transient, 1.0))))
 
 
-def _fits(needs: Callable[[int, bool], float], hold: bool, budget: int, z: int) -> bool:
-    return needs(z, hold) <= budget
+def _fits(
+    needs: Callable[[int, bool, bool], float],
+    hold: bool,
+    hold_batch: bool,
+    budget: int,
+    z: int,
+) -> bool:
+    return needs(z, hold, hold_batch) <= budget
 
 
 class _Blocks:
@@ -178,6 +200,10 @@ class _Blocks:
         with torch.no_grad():
             return self.route.pieces(self.Z[where], graph=False)
 
+    def __len__(self) -> int:
+        """Number of blocks."""
+        return len(self.slices)
+
     def get(self, j: int) -> Pieces:
         """Block ``j``'s features."""
         return self.held[j] if self.held is not None else self._compute(self.slices[j])
@@ -194,6 +220,7 @@ def _grams(
     route, n = blocks.route, len(blocks.Z) * C
     K_zz: torch.Tensor | None = None
     rows = []
+    held = blocks.held is not None
     with torch.no_grad():
         for i, si in enumerate(blocks.slices):
             Fi = blocks.get(i)
@@ -207,7 +234,14 @@ def _grams(
                 K_zz[_rows(si, C), _rows(sj, C)] = block
                 if i != j:
                     K_zz[_rows(sj, C), _rows(si, C)] = block.mT
-            rows.append(torch.cat([route.cross(Fi, p) for p in pieces], dim=1))
+            if not held:  # each block's features once, every chunk for each
+                rows.append(torch.cat([route.cross(Fi, p) for p in pieces], dim=1))
+        if held:  # each chunk's pieces once (computed again if not held)
+            columns = [
+                torch.cat([route.cross(blocks.get(i), p) for i in range(len(blocks))])
+                for p in pieces
+            ]
+            rows = [torch.cat(columns, dim=1)]
     assert K_zz is not None
     return K_zz, torch.cat(rows)
 
@@ -233,7 +267,8 @@ def budgeted_gap(
     Z : torch.Tensor
         ``(M, *input_shape)`` the locations.
     pieces : sequence of pieces
-        The minibatch's pieces, in consecutive chunks (without graph).
+        The minibatch's pieces, in consecutive chunks (without graph): a list
+        (held), or :class:`._batch_pieces.RecomputedPieces` (computed at each use).
     hessians : torch.Tensor
         ``Λₙ`` ``(b, C, C)``.
     trace_nn : torch.Tensor

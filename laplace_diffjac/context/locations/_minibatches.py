@@ -9,7 +9,7 @@ parts over ranks (:func:`._sharding.sync_gradient`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -20,23 +20,28 @@ from ._training_cache import TrainingCache
 
 __all__ = ["Batch", "InMemorySource", "Minibatches", "Source", "stream_seed"]
 
-Batch = tuple[list[Pieces], torch.Tensor, torch.Tensor]
+Batch = tuple[Sequence[Pieces], torch.Tensor, torch.Tensor]
 
 
 class Source(Protocol):
     """What the optimiser asks of its data.
 
     ``held_bytes``: what the source keeps between steps (the cached features),
-    taken from the memory budget before a step is planned.
+    taken from the memory budget before a step is planned; ``batch_size``: the
+    largest minibatch part it serves, what a step is planned for. ``hold``: serve the
+    batch's pieces computed and held (a list), or, ``False``, as
+    :class:`._batch_pieces.RecomputedPieces` when the step's plan cannot hold
+    them (:attr:`._budgeted_step.StepPlan.hold_batch`).
     """
 
     n: int
     held_bytes: int
+    batch_size: int
 
-    def next_local(self) -> Batch | None:
+    def next_local(self, hold: bool = True) -> Batch | None:
         """Serve this rank's part of the next minibatch (``None`` if empty)."""
 
-    def full_local(self) -> Iterator[Batch]:
+    def full_local(self, hold: bool = True) -> Iterator[Batch]:
         """Serve this rank's whole shard, batch by batch."""
 
 
@@ -70,16 +75,16 @@ class InMemorySource:
         self.batches = Minibatches(n, batch_size, seed)
         self.held_bytes = cache.held_bytes
 
-    def next_local(self) -> Batch | None:
+    def next_local(self, hold: bool = True) -> Batch | None:
         """Serve this rank's part of the next global minibatch (``None`` if empty)."""
         idx = self.batches.next()
         local = local_indices(idx, self.lo, self.lo + len(self.cache))
-        return self.cache.batch(local) if local.numel() else None
+        return self.cache.batch(local, hold) if local.numel() else None
 
-    def full_local(self) -> Iterator[Batch]:
+    def full_local(self, hold: bool = True) -> Iterator[Batch]:
         """Serve this rank's shard in consecutive batches of ``batch_size``."""
         for start in range(0, len(self.cache), self.batch_size):
-            yield self.cache.batch(slice(start, start + self.batch_size))
+            yield self.cache.batch(slice(start, start + self.batch_size), hold)
 
 
 def stream_seed(seed: int, stream: int) -> int:

@@ -311,7 +311,10 @@ def _streamed(
     else:
         Z0 = streamed_initial_locations(found, shape, m, init, s.seed, device)
     lr = s.lr if s.lr is not None else found.lr
-    return StreamSource(loader, model, route, n, found.n, hessian_args), Z0, lr
+    source = StreamSource(
+        loader, model, route, n, found.n, hessian_args, found.largest_batch
+    )
+    return source, Z0, lr
 
 
 def _optimise(
@@ -322,7 +325,8 @@ def _optimise(
     budget = get_memory_budget(Z0.device)
     chunk = feature_chunk(sizes, s.chunk_size, budget)  # the sources' chunks
     left = max(budget - source.held_bytes, 0)  # the cached features stay
-    plan = plan_step(sizes, len(Z0), s.batch_size, chunk, left)
+    # planned for the largest minibatch part the source serves (a loader's own)
+    plan = plan_step(sizes, len(Z0), max(source.batch_size, 1), chunk, left)
     if s.evaluate_full:
         history.initial_objective = _full_gap(route, source, Z0, s, plan)
     Z = Z0.clone().requires_grad_(True)
@@ -331,7 +335,7 @@ def _optimise(
     start = time.perf_counter()
     bar = progress(range(s.steps), desc="Locations", enabled=s.progress_bar)
     for _ in bar:
-        part = source.next_local()
+        part = source.next_local(plan.hold_batch)
         if part is None:
             loss, grad, b = Z.new_zeros((), dtype=torch.float64), torch.zeros_like(Z), 0
         else:
@@ -367,7 +371,7 @@ def _full_gap(
     total = torch.zeros((), dtype=torch.float64, device=Z.device)
     with torch.no_grad():
         if not plan.whole:
-            for pieces, lam, trace in source.full_local():
+            for pieces, lam, trace in source.full_local(plan.hold_batch):
                 gap, _ = budgeted_gap(
                     route, plan, Z, pieces, lam, trace, s.jitter, False
                 )

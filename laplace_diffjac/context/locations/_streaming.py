@@ -27,6 +27,7 @@ from ...data import (
     rank,
     world_size,
 )
+from ._batch_pieces import RecomputedPieces
 from ._budgeted_step import feature_chunk, route_sizes
 from ._gap import pieces_trace
 from ._init import kmeans
@@ -55,6 +56,7 @@ class Scan:
     keep: int
     keys: torch.Tensor
     rows: torch.Tensor
+    largest_batch: int = 0
 
 
 def loader_inputs(loader: DataLoader, dtype: torch.dtype) -> Iterator[torch.Tensor]:
@@ -94,13 +96,14 @@ def scan(
     """
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(stream_seed(seed, 2 + rank()))
-    moments, n = Moments(), 0
+    moments, n, largest = Moments(), 0, 0
     keys = torch.empty(0, dtype=torch.float64)
     rows: torch.Tensor | None = None
     for xb in loader_inputs(loader, dtype):
         if n == 0 and xb.shape[0]:
             check_fits_model(xb, "data", model)
         n += xb.shape[0]
+        largest = max(largest, int(xb.shape[0]))
         moments.add(xb)
         bk = torch.rand(xb.shape[0], generator=gen, dtype=torch.float64)
         keys = torch.cat([keys, bk])
@@ -110,7 +113,7 @@ def scan(
             rows = rows[order.to(rows.device)]
     if rows is None:
         rows = torch.empty(0, dtype=dtype)
-    return Scan(n, moments.default_lr(device), keep, keys, rows)
+    return Scan(n, moments.default_lr(device), keep, keys, rows, largest)
 
 
 def streamed_initial_locations(
@@ -182,6 +185,8 @@ class StreamSource:
         This rank's count (``0``: it never contributes).
     hessian_args : tuple
         ``(likelihood, sigma_noise, temperature, chunk_size)``.
+    batch_size : int, default=0
+        The largest batch the loader gave in the scan: what a step is planned for.
 
     """
 
@@ -193,16 +198,18 @@ class StreamSource:
         n: int,
         n_local: int,
         hessian_args: tuple,
+        batch_size: int = 0,
     ) -> None:
         self.loader, self.model, self.route = loader, model, route
         self.n, self.n_local, self.args = n, n_local, hessian_args
+        self.batch_size = batch_size
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.iterator: Iterator[torch.Tensor] | None = None
         self.chunk: int | None = None
         self.held_bytes = 0  # each batch's features are freed after its step
 
-    def _batch(self, xb: torch.Tensor) -> Batch:
+    def _batch(self, xb: torch.Tensor, hold: bool) -> Batch:
         likelihood, sigma, temperature, chunk = self.args
         xb = xb.to(self.device)
         if self.chunk is None:  # the budget's chunks, sized on the first batch
@@ -210,14 +217,15 @@ class StreamSource:
             self.chunk = feature_chunk(route_sizes(self.route, xb), chunk, budget)
         chunk = self.chunk
         lam = training_hessians(self.model, xb, likelihood, sigma, temperature, chunk)
-        pieces = [self.route.pieces(xc, graph=False) for xc in torch.split(xb, chunk)]
-        traces = [
-            pieces_trace(self.route, p, lc)
-            for p, lc in zip(pieces, torch.split(lam, chunk))
-        ]
-        return pieces, lam, torch.cat(traces)
+        recomputed = RecomputedPieces(self.route, torch.split(xb, chunk))
+        held, traces = [], []
+        for p, lc in zip(recomputed, torch.split(lam, chunk)):
+            traces.append(pieces_trace(self.route, p, lc))
+            if hold:
+                held.append(p)
+        return (held if hold else recomputed), lam, torch.cat(traces)
 
-    def next_local(self) -> Batch | None:
+    def next_local(self, hold: bool = True) -> Batch | None:
         """Serve the loader's next non-empty batch (``None`` for an empty shard)."""
         if self.n_local == 0:
             return None
@@ -228,13 +236,13 @@ class StreamSource:
             if xb is None:
                 self.iterator = None
             elif xb.shape[0]:
-                return self._batch(xb)
+                return self._batch(xb, hold)
 
-    def full_local(self) -> Iterator[Batch]:
+    def full_local(self, hold: bool = True) -> Iterator[Batch]:
         """One pass over this rank's loader."""
         for xb in loader_inputs(self.loader, self.dtype):
             if xb.shape[0]:
-                yield self._batch(xb)
+                yield self._batch(xb, hold)
 
 
 def feature_shape(found: Scan, device: torch.device) -> tuple[int, ...]:

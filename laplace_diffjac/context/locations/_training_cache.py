@@ -8,11 +8,14 @@ features or Jacobians) are kept when they fit in a quarter of the memory budget
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from ...jacobians._engine import JacobianFactors
 from ...kernels import output_hessians
+from ._batch_pieces import RecomputedPieces
 from ._budgeted_step import feature_chunk, route_sizes
 from ._gap import pieces_trace
 from ._routes import Pieces, Route
@@ -128,14 +131,18 @@ class TrainingCache:
         return int(self.X.shape[0])
 
     def batch(
-        self, idx: torch.Tensor | slice
-    ) -> tuple[list[Pieces], torch.Tensor, torch.Tensor]:
+        self, idx: torch.Tensor | slice, hold: bool = True
+    ) -> tuple[Sequence[Pieces], torch.Tensor, torch.Tensor]:
         """Pieces (in chunks), ``Λₙ`` and ``tr(Λₙ k(xₙ, xₙ))`` of a minibatch.
 
         Parameters
         ----------
         idx : torch.Tensor or slice
             Indices into the training inputs.
+        hold : bool, default=True
+            Compute the minibatch's pieces now and hold them; ``False``: each use
+            computes its chunk again (:class:`RecomputedPieces`). Cached pieces
+            are served either way.
 
         Returns
         -------
@@ -146,10 +153,10 @@ class TrainingCache:
         if self.pieces is not None:
             return [self.pieces[idx]], self.hessians[idx], self.trace_nn[idx]
         xb = self.X[idx].to(self.device)
-        chunks = [
-            self.route.pieces(xc, graph=False)
-            for xc in torch.split(xb, self.chunk_size)
-        ]
+        inputs = torch.split(xb, self.chunk_size)
+        chunks: Sequence[Pieces] = RecomputedPieces(self.route, inputs)
+        if hold:
+            chunks = list(chunks)
         return chunks, self.hessians[idx], self.trace_nn[idx]
 
 

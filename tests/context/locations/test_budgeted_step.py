@@ -1,22 +1,27 @@
 """A location step within the memory budget gives the whole step's value and gradient.
 
 For plans that hold the locations' features in blocks, or compute them again
-for every use (given, and as small budgets choose them), the minibatch's
-Nyström gap and its gradient in ``Z`` equal a float64 reference built from
-per-sample autograd Jacobians (an independent route), to 1e-10, on all three
-routes (structured features, per-layer factors, Jacobians);
-``optimize_locations`` under such a budget takes the unbudgeted run's steps. A
-budget that not even one location fits is refused before any step.
+for every use (given, and as small budgets choose them), with the minibatch's
+features held or computed again at each use, the minibatch's Nyström gap and
+its gradient in ``Z`` equal a float64 reference built from per-sample autograd
+Jacobians (an independent route), to 1e-10, on all three routes (structured
+features, per-layer factors, Jacobians); ``optimize_locations`` under such a
+budget, in memory and streamed, takes the unbudgeted run's steps. A budget
+that not even one location fits is refused before any step.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_diffjac
 from laplace_diffjac import DiffBackPackGGN
 from laplace_diffjac.context import optimize_locations
+from laplace_diffjac.context.locations._batch_pieces import RecomputedPieces
 from laplace_diffjac.context.locations._budgeted_step import (
     StepPlan,
     budgeted_gap,
@@ -63,17 +68,21 @@ def _reference(model, x, z, lam, prec):
 
 
 def _budgets(route, z, batch, chunk):
-    """The smallest budgets (steps of 2^(1/4)) whose plans chunk, by kind of plan."""
+    """The smallest budgets (steps of 2^(1/4)) whose plans chunk, by kind of plan:
+    the locations' features held or recomputed, the minibatch's held or not."""
     sizes = route_sizes(route, z)
     found = {}
     budget = 2.0**10
-    while len(found) < 2 and budget < 2.0**34:
+    while budget < 2.0**34:
         try:
             plan = plan_step(sizes, len(z), batch, chunk, int(budget))
         except laplace_diffjac.MemoryBudgetError:
             plan = None
-        if plan is not None and not plan.whole:
-            found.setdefault("hold" if plan.hold else "recompute", (int(budget), plan))
+        if plan is not None and plan.whole:
+            break
+        if plan is not None:
+            kind = ("hold" if plan.hold else "recompute", plan.hold_batch)
+            found.setdefault(kind, (int(budget), plan))
         budget *= 2**0.25
     return found
 
@@ -97,11 +106,13 @@ def test_budgeted_step_equals_the_reference_gap_and_gradient(case):
     plans = [StepPlan(1, True, False, 0), StepPlan(2, False, False, 0)]
     plans += [StepPlan(3, True, False, 0), StepPlan(5, False, False, 0)]
     plans += [plan for _, plan in _budgets(route, z, len(x), 4).values()]
-    for plan in plans:
-        gap, grad = budgeted_gap(route, plan, z, pieces, lam, trace, JITTER)
+    recomputed = RecomputedPieces(route, x.split(4))
+    for plan, batch_pieces in itertools.product(plans, [pieces, recomputed]):
+        args = (route, plan, z, batch_pieces, lam, trace, JITTER)
+        gap, grad = budgeted_gap(*args)
         torch.testing.assert_close(gap, want_gap, rtol=1e-10, atol=0)
         torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
-        value, none = budgeted_gap(route, plan, z, pieces, lam, trace, JITTER, False)
+        value, none = budgeted_gap(*args, False)
         assert none is None
         torch.testing.assert_close(value, want_gap, rtol=1e-10, atol=0)
 
@@ -109,24 +120,28 @@ def test_budgeted_step_equals_the_reference_gap_and_gradient(case):
 # The factor route only: on the Jacobian route of this small CNN, the whole step's
 # graph is smaller than any block plan's (J's graph is little more than J), so
 # no budget chooses blocks; its blocks are tested with given plans above.
-@pytest.mark.parametrize("structured", [None])
-def test_optimiser_under_a_small_budget_takes_the_unbudgeted_steps(structured):
+@pytest.mark.parametrize("data", ["tensor", "loader"])
+def test_optimiser_under_a_small_budget_takes_the_unbudgeted_steps(data):
     model = small_cnn()
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(24, 1, 8, 8, generator=gen, dtype=F64)
+    x = torch.randn(32, 1, 8, 8, generator=gen, dtype=F64)
     z0 = x[:4].clone()
+    # streamed, a loader's batches are the minibatches; in memory, ``batch_size``
+    source = x if data == "tensor" else DataLoader(TensorDataset(x), batch_size=16)
     kwargs = dict(
-        init=z0, steps=4, batch_size=8, chunk_size=4, patience=0,
-        progress_bar=False, evaluate_full=True, structured=structured,
+        init=z0, steps=4, batch_size=16, chunk_size=2, patience=0,
+        progress_bar=False, evaluate_full=True, stream=data == "loader",
     )  # fmt: skip
-    whole = optimize_locations(model, "classification", x, 4, **kwargs)
+    whole = optimize_locations(model, "classification", source, 4, **kwargs)
     backend = DiffBackPackGGN(model, "classification")
-    route = make_route(backend, 1.0, structured, torch.device("cpu"))
-    budgets = _budgets(route, z0, 8, 4)
-    assert budgets
+    route = make_route(backend, 1.0, None, torch.device("cpu"))
+    budgets = _budgets(route, z0, 16, 2)
+    # both kinds of blocks, and a minibatch whose features are computed per use
+    assert {"hold", "recompute"} <= {kind for kind, _ in budgets}
+    assert any(not plan.hold_batch for _, plan in budgets.values())
     for budget, _ in budgets.values():
         with laplace_diffjac.memory_budget(budget):
-            run = optimize_locations(model, "classification", x, 4, **kwargs)
+            run = optimize_locations(model, "classification", source, 4, **kwargs)
         torch.testing.assert_close(run.locations, whole.locations, rtol=1e-9, atol=0)
         assert run.history.objective == pytest.approx(whole.history.objective, 1e-10)
         assert run.history.final_objective == pytest.approx(
@@ -169,3 +184,24 @@ def test_the_step_is_planned_in_what_the_training_cache_leaves(monkeypatch):
     (held,) = [c.held_bytes for c in caches]
     assert held > 0 and caches[0].pieces is not None  # the features were cached
     assert seen == [64 * 2**20 - held]
+
+
+def test_a_streamed_step_is_planned_for_the_loaders_largest_batch(monkeypatch):
+    """A loader's batches are the minibatches, whatever ``batch_size`` says."""
+    from laplace_diffjac.context.locations import _optimizer
+
+    seen = []
+    plan = _optimizer.plan_step
+
+    def spy_plan(sizes, M, batch, chunk, budget):
+        seen.append(batch)
+        return plan(sizes, M, batch, chunk, budget)
+
+    monkeypatch.setattr(_optimizer, "plan_step", spy_plan)
+    x = torch.randn(23, 1, 8, 8, generator=torch.Generator().manual_seed(2), dtype=F64)
+    loader = DataLoader(TensorDataset(x), batch_size=9)  # 9, 9, 5
+    optimize_locations(
+        small_cnn(), "classification", loader, 3, init=x[:3], steps=1,
+        batch_size=2, progress_bar=False, stream=True,
+    )  # fmt: skip
+    assert seen == [9]
