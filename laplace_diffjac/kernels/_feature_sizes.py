@@ -59,6 +59,9 @@ class FeatureSizes:
         ``C``.
     graph_gram : callable
         ``(b1, b2) ->`` bytes the same Gram keeps for its backward pass.
+    contracted : float
+        One input's features as contracted, in float64 (``features`` when they
+        are held in float64).
 
     """
 
@@ -68,10 +71,14 @@ class FeatureSizes:
     gram: Callable[[int, int], int]
     n_outputs: int
     graph_gram: Callable[[int, int], float]
+    contracted: float
 
 
 def feature_sizes(
-    backend: JacobianBackend, x: torch.Tensor, factors: bool
+    backend: JacobianBackend,
+    x: torch.Tensor,
+    factors: bool,
+    held_dtype: torch.dtype = torch.float64,
 ) -> FeatureSizes:
     """Measure :class:`FeatureSizes` on the first (one or two) inputs of ``x``.
 
@@ -83,6 +90,10 @@ def feature_sizes(
         ``(b, *input_shape)`` in the backend model's dtype and device, ``b ≥ 1``.
     factors : bool
         Per-layer factors where the backend has them; else Jacobians.
+    held_dtype : torch.dtype, default=torch.float64
+        The dtype features are held in; Grams are contracted in float64, from
+        float64 copies made for each contraction (counted in ``gram`` and
+        ``graph_gram``) when ``held_dtype`` is narrower.
 
     Returns
     -------
@@ -90,11 +101,15 @@ def feature_sizes(
 
     """
     factors = factors and factor_route_applies(backend)
-    route = _budget_route(backend, factors, torch.float64)
-    prior_var = torch.ones((), dtype=torch.float64, device=x.device)
-    costs = _costs(backend, route, x[:2], prior_var, factors, torch.float64)
+    wide = torch.float64
+    route = _budget_route(backend, factors, held_dtype, wide)
+    prior_var = torch.ones((), dtype=wide, device=x.device)
+    costs = _costs(backend, route, x[:2], prior_var, factors, held_dtype, wide)
     with torch.no_grad():
         one = route.features(x[:1])
+    # a contraction's float64 copies of both sides' features
+    contracted = costs.features * wide.itemsize / held_dtype.itemsize
+    copy = 0.0 if held_dtype == wide else contracted
     if factors:
         parts = one
         C = parts.n_rows
@@ -102,13 +117,17 @@ def feature_sizes(
 
         def gram(b1: int, b2: int) -> int:
             left, right = parts.expanded(b1), parts.expanded(b2)
-            return gram_working_bytes(left, right, params, prior_var)
+            working = gram_working_bytes(left, right, params, prior_var)
+            return int(working + copy * (b1 + b2))
 
     else:
         C, width = one.shape[1], one.shape[-1]
 
         def gram(b1: int, b2: int) -> int:
-            return 8 * (b1 * C * width + 2 * b1 * b2 * C * C)
+            working = 8 * (b1 * C * width + 2 * b1 * b2 * C * C)
+            return int(working + copy * (b1 + b2))
 
     transient = max(costs.graph, costs.features) * TRANSIENT_SCALE
-    return FeatureSizes(costs.features, costs.graph, transient, gram, C, costs.pair)
+    return FeatureSizes(
+        costs.features, costs.graph, transient, gram, C, costs.pair, contracted
+    )

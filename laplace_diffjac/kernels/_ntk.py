@@ -541,17 +541,36 @@ def _param_device(backend: JacobianBackend) -> torch.device:
 
 
 def _budget_route(
-    backend: JacobianBackend, use_factors: bool, dtype: torch.dtype | None
+    backend: JacobianBackend,
+    use_factors: bool,
+    dtype: torch.dtype | None,
+    contract_dtype: torch.dtype | None = None,
 ) -> Route:
-    """The features the memory budget chunks: per-layer factors, or Jacobians."""
+    """The features the memory budget chunks: per-layer factors, or Jacobians.
+
+    Features are made in ``dtype`` (the model's for ``None``); a pair widens
+    them to ``contract_dtype`` for its own duration when one is given (the
+    location optimiser holds its pieces in the model's dtype and contracts them
+    in float64).
+
+    Returns
+    -------
+    Route
+        Features, their pair contraction and how to take them apart.
+    """
     params = list(backend.params)
+
+    def widened(f: Any) -> Any:
+        return f if contract_dtype is None or f is None else f.to(contract_dtype)
+
     if use_factors:
         factors = _factors_of(backend, dtype)
 
         def factor_pair(
             f1: JacobianFactors, f2: JacobianFactors | None, var: torch.Tensor
         ) -> torch.Tensor:
-            return factor_gram(f1, f2, params, var)
+            w1 = widened(f1)
+            return factor_gram(w1, w1 if f2 is f1 else widened(f2), params, var)
 
         return Route(
             features=factors,
@@ -571,9 +590,10 @@ def _budget_route(
     def jacobian_pair(
         J1: torch.Tensor, J2: torch.Tensor | None, var: torch.Tensor
     ) -> torch.Tensor:
+        w1 = widened(J1)
         if J2 is None:
-            return torch.einsum("bcp,bep->bce", J1 * var, J1)
-        return gram(J1, J2, var)
+            return torch.einsum("bcp,bep->bce", w1 * var, w1)
+        return gram(w1, w1 if J2 is J1 else widened(J2), var)
 
     return Route(
         features=jacobians_in,
@@ -610,6 +630,7 @@ def _costs(
     prior_var: torch.Tensor,
     use_factors: bool,
     dtype: torch.dtype | None,
+    contract_dtype: torch.dtype | None = None,
 ) -> Costs:
     """The probe's costs, measured once per input layout on this package's backends.
 
@@ -627,7 +648,8 @@ def _costs(
         return probe(route, x, prior_var)
     items = sorted(x.items()) if isinstance(x, Mapping) else [("", x)]
     layout = tuple((k, tuple(v.shape[1:]), v.dtype, v.device) for k, v in items)
-    key = (use_factors, dtype, layout, tuple(prior_var.shape), prior_var.dtype)
+    prior = (tuple(prior_var.shape), prior_var.dtype)
+    key = (use_factors, dtype, contract_dtype, layout, prior)
     known: dict = getattr(backend, _COSTS_ATTRIBUTE, None) or {}
     setattr(backend, _COSTS_ATTRIBUTE, known)
     if key not in known:

@@ -122,7 +122,7 @@ def plan_step(
     def needs(z: int, hold: bool, hold_batch: bool) -> float:
         minibatch = held_batch if hold_batch else one_chunk
         held = M * sizes.features if hold else z * (sizes.transient + sizes.features)
-        rows = z * (sizes.graph + sizes.features + sizes.transient)
+        rows = z * (sizes.graph + sizes.contracted + sizes.transient)
         columns = max(z, chunk)
         block = max(sizes.gram(z, columns), sizes.graph_gram(z, columns))
         return matrices + minibatch + held + rows + block
@@ -154,13 +154,16 @@ def route_sizes(route: Route, x: torch.Tensor) -> FeatureSizes:
     """:class:`FeatureSizes` of a route's pieces, measured on ``x[:2]``.
 
     The structured route's features are counted as the per-layer factors they
-    are a special case of (where the backend has factors), else as Jacobians.
+    are a special case of (where the backend has factors), else as Jacobians;
+    held in the model's dtype, contracted in float64 (:mod:`._routes`).
 
     Returns
     -------
     FeatureSizes
     """
-    return feature_sizes(route.backend, x[:2], not isinstance(route, JacobianRoute))
+    held = next(iter(route.backend.model.parameters())).dtype
+    factors = not isinstance(route, JacobianRoute)
+    return feature_sizes(route.backend, x[:2], factors, held)
 
 
 def feature_chunk(sizes: FeatureSizes, chunk: int, budget: int) -> int:
@@ -323,7 +326,8 @@ def _block_gradient(
     with torch.enable_grad():
         features = route.pieces(zi, graph=True)
     tensors = piece_tensors(features)
-    leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+    # float64 leaves: the sends' gradients are summed in float64, as contracted
+    leaves = [t.detach().to(_F64).requires_grad_(t.requires_grad) for t in tensors]
     leafy = with_piece_tensors(features, leaves)
     targets = [leaf for leaf in leaves if leaf.requires_grad]
     sums: list[torch.Tensor | None] = [None] * len(targets)
@@ -355,7 +359,7 @@ def _block_gradient(
     if not outs:
         return torch.zeros_like(zi)
     (g,) = torch.autograd.grad(
-        [t for t, _ in outs], zi, [g for _, g in outs], allow_unused=True
+        [t for t, _ in outs], zi, [g.to(t.dtype) for t, g in outs], allow_unused=True
     )
     return torch.zeros_like(zi) if g is None else g
 

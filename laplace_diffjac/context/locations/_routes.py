@@ -15,7 +15,10 @@ locations, so the optimiser computes them once and reuses them at every step:
 * :class:`JacobianRoute` (any backend, any prior): the pieces are the Jacobians
   ``(B, C, P)``.
 
-Pieces and Grams are float64.
+Pieces are held in the model's dtype and contracted in float64: a float32
+model's pieces take half the memory that float64 copies would, and the Grams are
+the numbers the float64 copies give (widening is exact), each contraction
+widening its operands for its own duration.
 """
 
 from __future__ import annotations
@@ -67,20 +70,21 @@ class StructuredRoute:
     def pieces(self, x: torch.Tensor, graph: bool) -> NTKFeatures:
         """Features of ``x`` ``(B, *input_shape)``; with graph if ``graph``."""
         with nullcontext() if graph else torch.no_grad():
-            f = structured_features(self.backend.model, x).to(_F64)
+            f = structured_features(self.backend.model, x)
         return f if graph else f.detach()
 
     def cross(self, a: Pieces, b: Pieces) -> torch.Tensor:
         """``(B1 C, B2 C)`` prior-scaled Gram, input-major (``b`` usually detached)."""
-        return cross_feature_gram(_features(a), _features(b), self.prior_var)
+        left, right = _features(a).to(_F64), _features(b).to(_F64)
+        return cross_feature_gram(left, right, self.prior_var)
 
     def self_gram(self, a: Pieces) -> torch.Tensor:
         """``(B C, B C)`` Gram of a batch with itself, for a symmetric consumer."""
-        return symmetric_feature_gram(_features(a), self.prior_var)
+        return symmetric_feature_gram(_features(a).to(_F64), self.prior_var)
 
     def diag(self, a: Pieces) -> torch.Tensor:
         """``(B, C, C)`` per-input blocks."""
-        return feature_diag(_features(a), self.prior_var)
+        return feature_diag(_features(a).to(_F64), self.prior_var)
 
     @staticmethod
     def cat(parts: Sequence[Pieces]) -> NTKFeatures:
@@ -98,21 +102,23 @@ class JacobianRoute:
     def pieces(self, x: torch.Tensor, graph: bool) -> torch.Tensor:
         """Jacobians ``(B, C, P)`` of ``x``; graph-connected if ``graph``."""
         if graph:
-            return jacobians(self.backend, x).to(_F64)
+            return jacobians(self.backend, x)
         with torch.no_grad():
-            return jacobians(self.backend, x, enable_backprop=False).to(_F64)
+            return jacobians(self.backend, x, enable_backprop=False)
 
     def cross(self, a: Pieces, b: Pieces) -> torch.Tensor:
         """``(B1 C, B2 C)`` prior-scaled Gram, input-major."""
-        return flat_gram(_jacobians(a), _jacobians(b), self.prior_var)
+        left, right = _jacobians(a).to(_F64), _jacobians(b).to(_F64)
+        return flat_gram(left, right, self.prior_var)
 
     def self_gram(self, a: Pieces) -> torch.Tensor:
         """``(B C, B C)`` Gram of a batch with itself."""
-        return flat_gram(_jacobians(a), _jacobians(a), self.prior_var)
+        J = _jacobians(a).to(_F64)
+        return flat_gram(J, J, self.prior_var)
 
     def diag(self, a: Pieces) -> torch.Tensor:
         """``(B, C, C)`` per-input blocks."""
-        J = _jacobians(a)
+        J = _jacobians(a).to(_F64)
         return torch.einsum("bcp,bep->bce", J * self.prior_var, J)
 
     @staticmethod
@@ -131,14 +137,14 @@ class FactorRoute:
     def pieces(self, x: torch.Tensor, graph: bool) -> JacobianFactors:
         """Factors of ``x`` ``(B, *input_shape)``; graph-connected if ``graph``."""
         if graph:
-            parts = self.backend.jacobian_factors(x, enable_backprop=True)  # type: ignore[attr-defined]
-            return parts.to(_F64)
+            return self.backend.jacobian_factors(x, enable_backprop=True)  # type: ignore[attr-defined]
         with torch.no_grad():
             parts = self.backend.jacobian_factors(x, enable_backprop=False)  # type: ignore[attr-defined]
-            return parts.to(_F64).detach()
+            return parts.detach()
 
     def _gram(self, a: Pieces, b: Pieces) -> torch.Tensor:
-        left, right = _factors(a), _factors(b)
+        left = _factors(a).to(_F64)
+        right = left if b is a else _factors(b).to(_F64)  # ``is``: symmetric
         K = factor_gram(left, right, list(self.backend.params), self.prior_var)
         B1, B2, C1, C2 = K.shape
         return K.permute(0, 2, 1, 3).reshape(B1 * C1, B2 * C2)
@@ -153,7 +159,8 @@ class FactorRoute:
 
     def diag(self, a: Pieces) -> torch.Tensor:
         """``(B, C, C)`` per-input blocks."""
-        return factor_gram(_factors(a), None, list(self.backend.params), self.prior_var)
+        wide = _factors(a).to(_F64)
+        return factor_gram(wide, None, list(self.backend.params), self.prior_var)
 
     @staticmethod
     def cat(parts: Sequence[Pieces]) -> JacobianFactors:

@@ -34,6 +34,7 @@ from laplace_diffjac.context.locations._routes import (
     JacobianRoute,
     StructuredRoute,
     make_route,
+    piece_tensors,
 )
 from laplace_diffjac.kernels import output_hessians
 from tests.context.helpers import small_cnn, small_mlp
@@ -205,3 +206,27 @@ def test_a_streamed_step_is_planned_for_the_loaders_largest_batch(monkeypatch):
         batch_size=2, progress_bar=False, stream=True,
     )  # fmt: skip
     assert seen == [9]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_float32_models_pieces_are_held_in_float32_and_contracted_in_float64(case):
+    """Half the memory of float64 copies, the Grams in float64: against the Gram
+    of the model's per-sample autograd Jacobians (float32, then widened)."""
+    build, shape, structured, kind = CASES[case]
+    model = build().float()
+    x = torch.randn(6, *shape, generator=torch.Generator().manual_seed(5))
+    backend = DiffBackPackGGN(model, "classification")
+    route = make_route(backend, 2.0, structured, torch.device("cpu"))
+    assert isinstance(route, kind)
+    pieces = route.pieces(x, graph=False)
+    assert {t.dtype for t in piece_tensors(pieces)} == {torch.float32}
+    J, _ = reference_jacobians(model, x, loop=True)
+    J = J.detach().to(F64)
+    want = torch.einsum("acp,bep->acbe", J, J).reshape(len(x) * J.shape[1], -1) / 2
+    for K in (route.cross(pieces, pieces), route.self_gram(pieces)):
+        assert K.dtype == F64
+        torch.testing.assert_close(K, want, rtol=1e-5, atol=1e-6 * want.abs().max())
+    sizes = route_sizes(route, x)
+    held = sum(t.numel() * t.element_size() for t in piece_tensors(pieces))
+    assert sizes.features == pytest.approx(held / len(x), rel=0.05)
+    assert sizes.contracted == 2 * sizes.features
