@@ -32,6 +32,7 @@ def test_quick_context_budget_rows_run_chunk_and_agree(tmp_path: Path) -> None:
     for row in fits:
         assert "error" not in row, row
         assert row["fit_s"] > 0 and row["rel_diff"] < 1e-10
+        assert row["fit_gflop"] > 0  # counted on one more, untimed fit
     assert fits[0]["plan"] == "whole"
     assert fits[1]["plan"].endswith("(recomputed)"), fits[1]
     assert fits[2]["plan"].endswith("(held)"), fits[2]
@@ -41,6 +42,7 @@ def test_quick_context_budget_rows_run_chunk_and_agree(tmp_path: Path) -> None:
         # the model is float32, and so are the locations' gradients: the blocked
         # backward pass adds them in another order (float64 steps: test_budgeted_step)
         assert row["step_s"] > 0 and row["rel_diff"] < 1e-5
+        assert row["total_gflop"] > 0
     assert steps[0]["plan"] == "whole"
     assert steps[2]["plan"].startswith("locations in blocks of"), steps[2]
     assert results["floor"]["flops_per_s"] > 0

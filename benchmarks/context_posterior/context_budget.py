@@ -17,6 +17,10 @@ data point for ``K(Z, X)``, at the float64 matmul rate measured in the same
 process (a 2048² product). ``fit / floor`` below 1 means the per-layer factors
 beat the contraction the floor counts.
 
+Each row also counts the matmul-like FLOPs of one more, untimed run of the
+same call (``torch.utils.flop_counter``): the report gives them over the timed
+run's seconds against the matmul rate, how near each path runs to its floor.
+
 ``optimize_locations`` is measured the same way (``--paths step``): three steps of
 the Nyström gap with ``M`` = 32 locations from the first images and minibatches of
 128 out of 256 images, seconds a step against one minibatch's Jacobian pass.
@@ -49,6 +53,7 @@ BUDGETS = ("none", "default", "512 MiB")
 # The CIFAR ResNet of the NTK's budget rows (its CPU model) and the memory probe.
 sys.path.insert(0, str(ROOT / "benchmarks" / "jacobians"))
 from fresh_process import run_worker  # noqa: E402
+from measure import counted_flops  # noqa: E402
 from ntk_budget import build, peak_from_here, synchronize  # noqa: E402
 
 
@@ -105,7 +110,10 @@ def measure_row(cfg: dict) -> dict:
             synchronize(device)
             row["predict_s"] = time.perf_counter() - start
             evidence = cp.log_marginal_likelihood()
-        row["peak_gib"] = peak()
+            row["peak_gib"] = peak()
+            # one more fit under the counter, untimed: the FLOPs of the timed one
+            refit = ContextPosterior(model, "classification", z, compute_dtype=dtype)
+            row["fit_gflop"] = counted_flops(lambda: refit.fit((x, y))) / 1e9
         chunks = cp._chunks
         assert chunks is not None
         row["plan"] = (
@@ -142,6 +150,23 @@ def measure_step(cfg: dict) -> dict:
             row["total_s"] = time.perf_counter() - start
             row["peak_gib"] = peak()
             row["plan"] = _step_plan(model, z, cfg["minibatch"], cfg["n_data"])
+            # the same call once more under the counter, untimed
+            row["total_gflop"] = (
+                counted_flops(
+                    lambda: optimize_locations(
+                        model,
+                        "classification",
+                        x,
+                        cfg["locations"],
+                        init=z,
+                        steps=3,
+                        batch_size=cfg["minibatch"],
+                        patience=0,
+                        progress_bar=False,
+                    )  # fmt: skip
+                )
+                / 1e9
+            )
         times = result.history.time
         row["step_s"] = (times[-1] - times[0]) / (len(times) - 1)
         objective = torch.tensor(result.history.objective, dtype=torch.float64)
@@ -175,7 +200,8 @@ def _step_plan(model, z, minibatch: int, n_data: int) -> str:
     if plan.whole:
         return "whole"
     how = "held" if plan.hold else "recomputed"
-    return f"locations in blocks of {plan.block} ({how})"
+    batch = "" if plan.hold_batch else ", minibatch recomputed per use"
+    return f"locations in blocks of {plan.block} ({how}){batch}"
 
 
 def measure_floor(cfg: dict) -> dict:
@@ -293,14 +319,18 @@ def report(results: dict) -> str:
         + _floors_in_words(results["rows"], floor)
         + "). `rel. diff`: the largest relative difference of the predictive "
         "variance / of the evidence to the same M's float64 row under the "
-        f"`{meta.get('reference', 'none')}` budget.",
+        f"`{meta.get('reference', 'none')}` budget. GFLOP/s: the matmul-like "
+        "kernels of one more, untimed run of the same call (the fit; for steps, "
+        "the whole `optimize_locations` call, the training cache included), "
+        "counted by `torch.utils.flop_counter`, over the timed run's seconds, and "
+        "its share of the matmul rate above (issue #42, item 2).",
     ]
     if any(row["path"] == "fit" for row in results["rows"]):
         lines += [
             "",
             "| M | N | budget | dtype | plan | fit s | floor s | fit / floor "
-            "| predict 64 s | peak GiB | rel. diff |",
-            "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+            "| GFLOP/s (% of matmul) | predict 64 s | peak GiB | rel. diff |",
+            "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
     steps = [row for row in results["rows"] if row["path"] == "step"]
     for row in results["rows"]:
@@ -310,7 +340,7 @@ def report(results: dict) -> str:
             lines.append(
                 f"| {row['locations']} | {row['n_data']} | {row['budget']} | "
                 f"{row.get('dtype', 'float64')} | {row['error']} | – | – | – | – "
-                "| – | – |"
+                "| – | – | – |"
             )
             continue
         floor_s = _floor_s(row.get("floor", floor), row)
@@ -318,6 +348,7 @@ def report(results: dict) -> str:
             f"| {row['locations']} | {row['n_data']} | {row['budget']} | "
             f"{row.get('dtype', 'float64')} | {row['plan']} | {row['fit_s']:.1f} | "
             f"{floor_s:.1f} | {row['fit_s'] / floor_s:.2f} | "
+            f"{_rate(row, 'fit', floor)} | "
             f"{row['predict_s']:.2f} | {row['peak_gib']:.2f} | "
             f"{_diffs_in_words(row)} |"
         )
@@ -332,24 +363,35 @@ def report(results: dict) -> str:
             f"`{meta.get('reference', 'none')}` row (the model is float32).",
             "",
             "| M | N | minibatch | budget | plan | s a step | Jacobian pass s "
-            "| step / pass | peak GiB | rel. diff |",
-            "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
+            "| step / pass | GFLOP/s (% of matmul) | peak GiB | rel. diff |",
+            "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
         ]
     for row in steps:
         head = f"| {row['locations']} | {row['n_data']} | {row['minibatch']} | "
         if "error" in row:
             lines.append(
-                head + f"{row['budget']} | {row['error']} | – | – | – | – | – |"
+                head + f"{row['budget']} | {row['error']} | – | – | – | – | – | – |"
             )
             continue
         jac = row["minibatch"] * row.get("floor", floor)["jacobian_s_per_input"]
         lines.append(
             head
             + f"{row['budget']} | {row['plan']} | {row['step_s']:.1f} | {jac:.1f} | "
-            f"{row['step_s'] / jac:.2f} | {row['peak_gib']:.2f} | "
+            f"{row['step_s'] / jac:.2f} | {_rate(row, 'total', floor)} | "
+            f"{row['peak_gib']:.2f} | "
             f"{row.get('rel_diff', 0.0):.1e} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _rate(row: dict, what: str, floor: dict) -> str:
+    """Achieved GFLOP/s of ``what`` (``fit``: the fit; ``total``: the whole
+    ``optimize_locations`` call) and its share of the row's matmul rate."""
+    if f"{what}_gflop" not in row:
+        return "–"
+    rate = row[f"{what}_gflop"] / row[f"{what}_s"]
+    share = 100 * rate * 1e9 / row.get("floor", floor)["flops_per_s"]
+    return f"{rate:.3g} ({share:.0f} %)"
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, dict]]:

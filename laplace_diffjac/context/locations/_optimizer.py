@@ -341,7 +341,8 @@ def _optimise(
         else:
             pieces, lam, trace = part
             if plan.whole:
-                z_pieces = route.pieces(Z, graph=True)
+                # widened once, so the Grams' gradients meet in float64
+                z_pieces = route.pieces(Z, graph=True).to(torch.float64)
                 loss = batch_gap(route, z_pieces, pieces, lam, trace, s.jitter)
                 (grad,) = torch.autograd.grad(loss, Z)
             else:
