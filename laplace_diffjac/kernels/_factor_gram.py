@@ -700,6 +700,29 @@ def _signals(e: Product | Summed) -> torch.Tensor:
     return g.transpose(0, 1) if isinstance(e, Product) else g
 
 
+def _signal_gram(s1: torch.Tensor, s2: torch.Tensor, diagonal: bool) -> torch.Tensor:
+    """``Σ_o s1[v, b, o] s2[w, c, o]``: ``(B1, B2, V, W)``, or ``(B, V, W)``.
+
+    The engine's signals are ``(V, B, out)`` and contiguous, so off the diagonal
+    the Gram is one matrix product of two free ``(V B, out)`` views, the second
+    read transposed by BLAS; ``einsum`` would first copy an operand into an
+    ``out``-major layout (about a third of the product's time on a CPU), and so
+    would autograd's two products behind it.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B1, B2, V, W)`` (a permuted view of the product), or ``(B, V, W)`` on
+        the diagonal (``diagonal=True``).
+    """
+    if diagonal:
+        return torch.einsum("vbo,wbo->bvw", s1, s2)
+    v, b1, out = s1.shape
+    w, b2, _ = s2.shape
+    gram = s1.reshape(v * b1, out) @ s2.reshape(w * b2, out).T
+    return gram.view(v, b1, w, b2).permute(1, 3, 0, 2)
+
+
 def _signals_cost(e1: Factors, e2: Factors, diagonal: bool) -> int:
     """Multiply-adds of a one-position pair's signal Gram."""
     n_rows1, batch1 = _rows_and_batch(e1)
@@ -743,9 +766,7 @@ def _pair_gram(
         assert isinstance(e1, (Product, Summed)) and isinstance(e2, (Product, Summed))
         cache = {} if signal_grams is None else signal_grams
         if key not in cache:
-            cache[key] = torch.einsum(
-                f"vbo,w{c}o->{pair}vw", _signals(e1), _signals(e2)
-            )
+            cache[key] = _signal_gram(_signals(e1), _signals(e2), diagonal)
         signals = cache[key]
         if isinstance(e1, Summed):
             return signals, True
