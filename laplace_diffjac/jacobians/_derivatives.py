@@ -38,6 +38,7 @@ from ._assembly import Dense, Factors, Product, Summed
 from ._elementary import ELEMENTARY_FORWARDS
 from ._functorch_refusals import functorch_refusal
 from ._layer_calls import LayerCall, RecordedForward
+from ._piecewise_linear import PIECEWISE_LINEAR_FORWARDS
 from ._rules_conv import (
     PADDED_CONVS,
     batch_first,
@@ -84,6 +85,7 @@ def rule_for(module: nn.Module) -> Rule | None:
 FORWARDS: dict[type[nn.Module], RecordedForward] = {
     nn.MultiheadAttention: _rules_attention.recorded_forward,
     **ELEMENTARY_FORWARDS,
+    **PIECEWISE_LINEAR_FORWARDS,
 }
 
 

@@ -1,4 +1,4 @@
-"""Modules whose fused kernels differentiate wrongly, run in elementary operations.
+"""Modules whose kernels differentiate wrongly or wastefully, in elementary form.
 
 While either backend differentiates, the normalisations (``_rules_norm``: wrong
 higher derivatives of the fused kernels), ``nn.PReLU`` (``_rules_prelu``: a wrong
@@ -6,7 +6,11 @@ batching rule under nested ``vmap``), ``nn.EmbeddingBag`` and ``nn.Hardsigmoid``
 (no double backward; the latter is MobileNetV3's squeeze-excitation gate) and
 ``weight_norm`` (wrong gradients through ``vmap(jacrev)``) have their output
 replaced by the same computation in elementary operations, through forward hooks
-that live only for the call. Modules that own wanted parameters are recorded
+that live only for the call. When the engine keeps the Jacobians' graph, the
+piecewise-linear activations (``ReLU``, ``LeakyReLU``, ``Hardtanh``, ``ReLU6``;
+``_piecewise_linear``) are redone too, as selections on a mask: the same values
+and derivatives, and signals whose graph does not reach back to the input.
+Modules that own wanted parameters are recorded
 through the same forwards by the engine (``FORWARDS`` in ``_derivatives``); the
 others are listed by :func:`rewritten_modules`.
 """
@@ -22,6 +26,7 @@ from torch.nn.utils.parametrizations import _WeightNorm
 
 from ..errors import UnsupportedModuleError
 from ._layer_calls import LayerCall, RecordedForward, recorded_calls
+from ._piecewise_linear import PIECEWISE_LINEAR_FORWARDS
 from ._rules_norm import NORM_FORWARDS
 from ._rules_prelu import recorded_prelu
 
@@ -156,12 +161,24 @@ ELEMENTARY_FORWARDS: dict[type[nn.Module], RecordedForward] = {
 
 
 def rewritten_modules(
-    model: nn.Module, watched: Sequence[nn.Module]
+    model: nn.Module, watched: Sequence[nn.Module], graph: bool = False
 ) -> list[nn.Module]:
     """Modules of ``model`` outside ``watched`` with an elementary form.
 
     Their output is redone with elementary operations while recording, so that
     the Jacobians and their derivatives through them are right.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model.
+    watched : sequence of torch.nn.Module
+        Modules recorded by the engine (left out here).
+    graph : bool, default=False
+        The caller keeps the Jacobians' graph (``enable_backprop``): the
+        piecewise-linear activations are listed too, so that no derivative of
+        the Jacobians sends zeros back through their masks. Without a graph
+        they would only add a pass over each activation.
 
     Returns
     -------
@@ -169,11 +186,10 @@ def rewritten_modules(
 
     """
     seen = {id(m) for m in watched}
-    return [
-        m
-        for m in model.modules()
-        if type(m) in ELEMENTARY_FORWARDS and id(m) not in seen
-    ]
+    kinds = set(ELEMENTARY_FORWARDS)
+    if graph:
+        kinds |= set(PIECEWISE_LINEAR_FORWARDS)
+    return [m for m in model.modules() if type(m) in kinds and id(m) not in seen]
 
 
 @contextmanager

@@ -265,7 +265,9 @@ def jacobian_factors(
     batch = batch_size(x)
     x_in = x if enable_backprop else detached(x)
     with preserved_state(model), torch.enable_grad():
-        calls, f, f2 = _checked_forward(model, x_in, root, params, batch)
+        calls, f, f2 = _checked_forward(
+            model, x_in, root, params, batch, graph=enable_backprop
+        )
         signals = _output_signals(f2, selected_outputs)
         targets = [c.signal_targets() for c in calls]
         with (
@@ -360,12 +362,15 @@ def _checked_forward(
     root: nn.Module,
     params: Sequence[torch.Tensor],
     batch: int,
+    graph: bool = False,
 ) -> tuple[list[LayerCall], torch.Tensor, torch.Tensor]:
     """Step 1: the recorded forward pass, its output and calls checked.
 
     Runs inside the caller's :func:`.model_guard.preserved_state` with gradients
     enabled; the modules owning ``params`` run in their elementary forms where
-    their fused kernels differentiate wrongly (:mod:`._elementary`).
+    their fused kernels differentiate wrongly (:mod:`._elementary`), and with
+    ``graph`` (the caller keeps the Jacobians' graph) the piecewise-linear
+    activations too.
 
     Returns
     -------
@@ -378,7 +383,7 @@ def _checked_forward(
 
     """
     modules = owning_modules(root, params)
-    rewritten = rewritten_modules(model, modules)
+    rewritten = rewritten_modules(model, modules, graph)
     calls, f = recorded_forward(model, x, modules, rewritten, batch)
     f = check_model_output(f, batch)
     check_batch_first(calls, batch, root)
