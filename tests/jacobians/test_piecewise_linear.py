@@ -20,6 +20,66 @@ ACTIVATIONS = {
 }
 
 
+POOLS = {
+    "max-pool-1d": (lambda: nn.MaxPool1d(3, stride=2, padding=1), (2, 3, 11)),
+    "max-pool-2d": (lambda: nn.MaxPool2d(2), (2, 3, 6, 6)),
+    "max-pool-2d-dilated": (
+        lambda: nn.MaxPool2d(3, stride=1, padding=1, dilation=2, ceil_mode=True),
+        (3, 7, 7),  # unbatched
+    ),
+    "max-pool-3d": (lambda: nn.MaxPool3d(2, stride=(1, 2, 2)), (1, 2, 4, 5, 5)),
+}
+
+
+@pytest.mark.parametrize("name", list(POOLS))
+def test_max_pool_gather_equals_the_module_and_its_gradient(name: str) -> None:
+    build, shape = POOLS[name]
+    module = build()
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    forward = PIECEWISE_LINEAR_FORWARDS[type(module)]
+    _, gathered = forward(module, (x,), {})
+    expected = module(x)
+    assert torch.equal(gathered, expected)
+    seed = torch.randn_like(expected)
+    (d_gathered,) = torch.autograd.grad(gathered, x, seed)
+    (d_expected,) = torch.autograd.grad(expected, x, seed)
+    assert torch.equal(d_gathered, d_expected)
+
+
+def test_max_pool_with_indices_is_left_to_the_module() -> None:
+    module = nn.MaxPool2d(2, return_indices=True)
+    x = torch.randn(1, 2, 4, 4, dtype=torch.float64)
+    _, pair = PIECEWISE_LINEAR_FORWARDS[nn.MaxPool2d](module, (x,), {})
+    expected = module(x)
+    assert torch.equal(pair[0], expected[0]) and torch.equal(pair[1], expected[1])
+
+
+def test_a_pooling_cnn_has_input_free_signals_and_the_loop_jacobians() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    ).double()
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64, requires_grad=True)
+    backend = DiffBackPackGGN(model, "classification")
+    factors = backend.jacobian_factors(x, enable_backprop=True)
+    signals = [e.g for entries in factors.factors.values() for e in entries]
+    total = sum(g.sum() for g in signals if g.requires_grad)
+    assert torch.autograd.grad(total, x, allow_unused=True) == (None,)
+    Js, _ = backend.jacobians(x, enable_backprop=True)
+    ref, _ = loop_jacobians(model, x)
+    torch.testing.assert_close(Js, ref, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(ref)
+    (grad,) = torch.autograd.grad((Js * weights).sum(), x)
+    (grad_ref,) = torch.autograd.grad((ref * weights).sum(), x)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-10, atol=1e-12)
+
+
 def _net(activation: str) -> nn.Module:
     torch.manual_seed(0)
     act = ACTIVATIONS[activation]

@@ -30,6 +30,7 @@ from functools import partial
 
 import torch
 
+from ..._autograd_paths import reaches_leaf
 from ...budget import format_bytes, over_budget
 from ...errors import MemoryBudgetError
 from ...jacobians._engine import JacobianFactors
@@ -326,8 +327,14 @@ def _block_gradient(
     with torch.enable_grad():
         features = route.pieces(zi, graph=True)
     tensors = piece_tensors(features)
-    # float64 leaves: the sends' gradients are summed in float64, as contracted
-    leaves = [t.detach().to(_F64).requires_grad_(t.requires_grad) for t in tensors]
+    # Only the pieces whose graph leads back to the locations get a gradient (the
+    # signals of a piecewise-linear network hang on the weights alone); float64
+    # leaves: the sends' gradients are summed in float64, as contracted.
+    wanted = [
+        t.requires_grad and reaches
+        for t, reaches in zip(tensors, reaches_leaf(tensors, zi))
+    ]
+    leaves = [t.detach().to(_F64).requires_grad_(w) for t, w in zip(tensors, wanted)]
     leafy = with_piece_tensors(features, leaves)
     targets = [leaf for leaf in leaves if leaf.requires_grad]
     sums: list[torch.Tensor | None] = [None] * len(targets)
@@ -353,7 +360,7 @@ def _block_gradient(
         start += width
     outs = [
         (t, g)
-        for t, g in zip([t for t in tensors if t.requires_grad], sums)
+        for t, g in zip([t for t, w in zip(tensors, wanted) if w], sums)
         if g is not None
     ]
     if not outs:
