@@ -7,9 +7,9 @@ batching rule under nested ``vmap``), ``nn.EmbeddingBag`` and ``nn.Hardsigmoid``
 ``weight_norm`` (wrong gradients through ``vmap(jacrev)``) have their output
 replaced by the same computation in elementary operations, through forward hooks
 that live only for the call. When the engine keeps the Jacobians' graph, the
-piecewise-linear activations (``ReLU``, ``LeakyReLU``, ``Hardtanh``, ``ReLU6``;
-``_piecewise_linear``) are redone too, as selections on a mask: the same values
-and derivatives, and signals whose graph does not reach back to the input.
+piecewise-linear activations (``ReLU``, ``LeakyReLU``, ``Hardtanh``, ``ReLU6``)
+and max pooling are redone too, as selections (``_piecewise_linear``): the same
+values and derivatives, and signals whose graph does not reach back to the input.
 Modules that own wanted parameters are recorded
 through the same forwards by the engine (``FORWARDS`` in ``_derivatives``); the
 others are listed by :func:`rewritten_modules`.
@@ -176,9 +176,9 @@ def rewritten_modules(
         Modules recorded by the engine (left out here).
     graph : bool, default=False
         The caller keeps the Jacobians' graph (``enable_backprop``): the
-        piecewise-linear activations are listed too, so that no derivative of
-        the Jacobians sends zeros back through their masks. Without a graph
-        they would only add a pass over each activation.
+        piecewise-linear activations and max pooling are listed too, so that no
+        derivative of the Jacobians sends zeros back through their selections.
+        Without a graph they would only add a pass over each such module.
 
     Returns
     -------

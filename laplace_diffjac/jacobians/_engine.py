@@ -370,7 +370,7 @@ def _checked_forward(
     enabled; the modules owning ``params`` run in their elementary forms where
     their fused kernels differentiate wrongly (:mod:`._elementary`), and with
     ``graph`` (the caller keeps the Jacobians' graph) the piecewise-linear
-    activations too.
+    activations and max pooling too.
 
     Returns
     -------
