@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laplace_diffjac._autograd_paths import reaches_leaf
+from laplace_diffjac._autograd_paths import reaches_leaf, tracked, used_by_this_pass
 
 
 def test_paths_through_the_graph_are_found_and_others_are_not() -> None:
@@ -42,3 +42,34 @@ def test_refuses_a_tensor_that_is_not_a_leaf_requiring_grad() -> None:
         reaches_leaf([x * 2], x * 2)
     with pytest.raises(ValueError, match="leaf"):
         reaches_leaf([x * 2], torch.randn(2))
+
+
+def test_a_backward_pass_says_which_tracked_gradients_it_uses() -> None:
+    """Inside a custom backward: ``autograd.grad(y, x)`` uses ``x``'s gradient
+    only; ``backward()`` uses all; ``backward(inputs=[w])`` uses ``w``'s."""
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    seen: list[list[bool]] = []
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):  # type: ignore[override]
+            ctx.views = (a, b)
+            ctx.save_for_backward(a, b)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            seen.append(used_by_this_pass(ctx.views))
+            a, b = ctx.saved_tensors
+            return g * b, g * a
+
+    def output():
+        return Product.apply(*tracked([x, w])).sum()
+
+    torch.autograd.grad(output(), x)
+    output().backward()
+    output().backward(inputs=[w])
+    torch.autograd.grad(output(), [x, w])
+    assert seen == [[True, False], [True, True], [False, True], [True, True]]
+    assert tracked([torch.ones(2)])[0].grad_fn is None  # no grad: itself

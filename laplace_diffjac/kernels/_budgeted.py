@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._autograd_paths import reaches_leaf, tracked, used_by_this_pass
 from ..budget import format_bytes, over_budget
 from ..errors import MemoryBudgetError
 from ._held_memory import held_bytes
@@ -489,6 +490,7 @@ class _RecomputedGram(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.run = run
         ctx.save_for_backward(x1, x2, prior_var)
+        ctx.params = params  # views of the parameters (``tracked``)
         return _forward_gram(run, x1, x2, prior_var)
 
     @staticmethod
@@ -497,7 +499,7 @@ class _RecomputedGram(torch.autograd.Function):
         run: _Run = ctx.run
         x1, x2, prior_var = ctx.saved_tensors
         wants = ctx.needs_input_grad
-        want_params = list(wants[4:])
+        want_params = _wanted(wants[4:], ctx.params)
         totals = _Totals(len(want_params))
         if run.symmetric:
             sym = grad + grad.permute(1, 0, 3, 2)
@@ -530,6 +532,21 @@ class _RecomputedGram(torch.autograd.Function):
             totals,
         )
         return (None, gx1, gx2, totals.prior, *totals.params)
+
+
+def _wanted(needs: Sequence[bool], params: Sequence[torch.Tensor]) -> list[bool]:
+    """The parameters whose gradients this backward pass uses.
+
+    ``needs_input_grad`` marks every parameter that requires grad; of those, a
+    pass such as ``torch.autograd.grad(K, x)`` uses none, and computing them
+    would cost a pass through every layer's signals.
+
+    Returns
+    -------
+    list of bool
+        ``needs`` and :func:`used_by_this_pass` of the parameters' views.
+    """
+    return [n and u for n, u in zip(needs, used_by_this_pass(params))]
 
 
 class _Totals:
@@ -587,7 +604,13 @@ def _side(
         with torch.enable_grad():
             feats = route.features(xr)
         tensors = route.tensors(feats)
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        needed = [t.requires_grad for t in tensors]
+        if not params:
+            # Only the features whose graph reaches the inputs (the signals of a
+            # piecewise-linear network hang on the weights alone), or none.
+            reach = reaches_leaf(tensors, xr) if want_x else [False] * len(tensors)
+            needed = [n and r for n, r in zip(needed, reach)]
+        leaves = [t.detach().requires_grad_(n) for t, n in zip(tensors, needed)]
         leafy = route.rebuild(feats, leaves)
         pv = prior_var.detach().requires_grad_(want_prior)
         sums = _leaf_gradients(
@@ -662,6 +685,7 @@ class _RecomputedDiagonal(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.run = run
         ctx.save_for_backward(x, prior_var)
+        ctx.params = params  # views of the parameters (``tracked``)
         with torch.no_grad():
             return _diagonal_blocks(run, x, prior_var)
 
@@ -672,7 +696,7 @@ class _RecomputedDiagonal(torch.autograd.Function):
         x, prior_var = ctx.saved_tensors
         wants = ctx.needs_input_grad
         route = run.route
-        where = [i for i, w in enumerate(wants[3:]) if w]
+        where = [i for i, w in enumerate(_wanted(wants[3:], ctx.params)) if w]
         params = [route.params[i] for i in where]
         totals = _Totals(len(wants) - 3)
         grad_x = torch.zeros_like(x) if wants[1] else None
@@ -747,7 +771,7 @@ def budgeted_gram(
             "pass a smaller batch, or raise the budget "
             "(laplace_diffjac.set_memory_budget)."
         )
-    return _RecomputedGram.apply(run, x1, other, prior_var, *route.params)
+    return _RecomputedGram.apply(run, x1, other, prior_var, *tracked(route.params))
 
 
 def budgeted_diagonal(
@@ -790,4 +814,4 @@ def budgeted_diagonal(
             "gradient. Compute it under torch.no_grad(), pass a smaller batch, or "
             "raise the budget (laplace_diffjac.set_memory_budget)."
         )
-    return _RecomputedDiagonal.apply(run, x, prior_var, *route.params)
+    return _RecomputedDiagonal.apply(run, x, prior_var, *tracked(route.params))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN, ntk, ntk_diag
 from laplace_diffjac.budget import memory_budget
@@ -222,3 +224,93 @@ def test_dict_inputs_chunk_without_gradients_and_refuse_one_that_needs_recomputi
         with memory_budget(budget), pytest.raises(MemoryBudgetError, match="dict"):
             call(backend, x)  # the parameters require gradients
     assert_same_state(before, model_state(model))
+
+
+def _relu_cnn_and_inputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 3)
+    ).double()
+    x = torch.randn(6, 2, 4, 4, dtype=torch.float64, requires_grad=True)
+    return model, x
+
+
+@pytest.mark.parametrize("call", ["grad-x", "backward", "backward-params"])
+def test_each_way_of_asking_for_a_budgeted_gradient_gets_the_reference(call):
+    """``autograd.grad(K, x)``, ``K.backward()`` and ``backward(inputs=params)``:
+    the backward pass computes only what the call uses, and what it computes is
+    the reference's. A ReLU network: its signals do not depend on ``x``."""
+    model, x = _relu_cnn_and_inputs()
+    params = list(model.parameters())
+    backend = DiffBackPackGGN(model, "classification")
+    one = torch.tensor(1.0, dtype=torch.float64)
+    budget, plan = _smallest_budget(backend, x, (6, 6), True, one)
+    with memory_budget(budget):
+        K = ntk(backend, x)
+        D = ntk_diag(backend, x)
+    assert plan.chunked and "Recomputed" in type(K.grad_fn).__name__
+    K_ref, D_ref = _reference(model, x, x, one)
+    expected = _grads(_functional(K_ref, D_ref), [x, *params])
+    loss = _functional(K, D)
+    if call == "grad-x":
+        got = list(torch.autograd.grad(loss, x))
+        expected = expected[:1]
+        assert all(p.grad is None for p in params)
+    elif call == "backward":
+        loss.backward()
+        got = [x.grad, *(p.grad for p in params)]
+        # the output bias's Jacobian is constant: no gradient reaches it
+        got = [torch.zeros_like(e) if g is None else g for g, e in zip(got, expected)]
+    else:
+        loss.backward(inputs=params)
+        assert x.grad is None
+        got = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        expected = expected[1:]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+class _CountedFlops(TorchDispatchMode):
+    """Counts the FLOPs of the matmul-like ATen operations run under it, by
+    PyTorch's own formulas (``FlopCounterMode``'s hooks refuse
+    ``autograd.grad`` inside a backward pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.count += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def test_a_gradient_in_the_inputs_alone_skips_the_parameters_work():
+    """Counted in FLOPs: ``autograd.grad(K, x)`` does less than a pass
+    that also wants the parameters' gradients (it sends nothing to the
+    signals, which a gradient in ``x`` does not need). Before, it did the same
+    work either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)
+    ).double()
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    params = list(model.parameters())
+    backend = DiffBackPackGGN(model, "classification")
+    one = torch.tensor(1.0, dtype=torch.float64)
+    budget, _ = _smallest_budget(backend, x, (6, 6), True, one)
+
+    def backward_flops(inputs):
+        with memory_budget(budget):
+            K = ntk(backend, x)
+        with _CountedFlops() as counted:
+            torch.autograd.grad(K.square().sum(), inputs, allow_unused=True)
+        return counted.count
+
+    only_x = backward_flops([x])
+    with_params = backward_flops([x, *params])
+    assert 0 < only_x < 0.8 * with_params
