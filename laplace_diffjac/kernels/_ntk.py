@@ -43,6 +43,7 @@ from ._budgeted import (
     plan_gram,
     probe,
 )
+from ._column_blocks import jacobian_diagonal, jacobian_gram
 from ._factor_gram import factor_gram
 from ._structured import structured_ntk, supports_structured_ntk
 
@@ -120,9 +121,7 @@ def gram(
 
     """
     prior_var = torch.as_tensor(prior_var, device=J1.device, dtype=J1.dtype)
-    if prior_var.dim() == 0:
-        return prior_var * torch.einsum("acp,bep->abce", J1, J2)
-    return torch.einsum("acp,p,bep->abce", J1, prior_var, J2)
+    return jacobian_gram(J1, J2, prior_var)
 
 
 def flat_gram(
@@ -465,7 +464,7 @@ def ntk_diag(
     for xc in _chunks(x, chunk_size):
         J = jac(xc)
         J = J if dtype is None else J.to(dtype)
-        out.append(torch.einsum("bcp,bep->bce", J * prior_var, J))
+        out.append(jacobian_diagonal(J, prior_var))
     return _cat(out, dim=0)
 
 
@@ -592,7 +591,7 @@ def _budget_route(
     ) -> torch.Tensor:
         w1 = widened(J1)
         if J2 is None:
-            return torch.einsum("bcp,bep->bce", w1 * var, w1)
+            return jacobian_diagonal(w1, var)
         return gram(w1, w1 if J2 is J1 else widened(J2), var)
 
     return Route(
