@@ -37,12 +37,11 @@ from ._budgeted import (
     Costs,
     Route,
     batch_of,
-    budgeted_diagonal,
-    budgeted_gram,
     plan_diagonal,
     plan_gram,
     probe,
 )
+from ._chunked_gram import budgeted_diagonal, budgeted_gram
 from ._column_blocks import jacobian_diagonal, jacobian_gram
 from ._factor_gram import factor_gram
 from ._structured import structured_ntk, supports_structured_ntk
