@@ -2,6 +2,11 @@
 run at smoke sizes and writes what a GPU run writes; a step that overruns its limit
 or the budget is cut off and recorded, and the next step still runs.
 
+The dry run's ``ntk_budget`` step is ``benchmarks/jacobians/ntk_budget.py``'s quick
+mode, so this test checks that script's rows too (every row in its own process,
+the small budgets chunk, and every row's Gram and gradient equal the unbudgeted
+row's) rather than running it a second time.
+
 No timing is asserted: the dry run's timings are single cold runs.
 """
 
@@ -57,10 +62,7 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     assert "| tests | ok |" in text and "| ntk | ok |" in text
     assert "| config | allocator | P | obj. |" in text
     assert "| model | B | allocator | route |" in text
-    budgeted = json.loads((out / "ntk_budget.json").read_text())
-    assert budgeted["meta"]["device"] == "cpu"
-    assert all("seconds" in r for r in budgeted["rows"]), budgeted["rows"]
-    assert "| B | route | budget | s | peak GiB |" in text
+    _check_ntk_budget_rows(out / "ntk_budget.json", text)
     fit = json.loads((out / "context_fit.json").read_text())
     assert fit["meta"]["device"] == "cpu" and fit["meta"]["reference"] == "default"
     assert [(r["dtype"], r["budget"]) for r in fit["rows"]] == [
@@ -117,3 +119,21 @@ def test_a_failed_test_step_reads_failed_whatever_pytest_skipped(tmp_path):
     runner.run("ntk", [sys.executable, "-c", "pass"])
     done = script.summary(runner, "cpu", True, 60)
     assert "| tests | failed |" in done and "| ntk | skipped |" in done
+
+
+def _check_ntk_budget_rows(path: Path, summary: str) -> None:
+    """``ntk_budget.py --quick``: both routes under the default budget, a small
+    one that chunks, and none; each agrees with the unbudgeted row."""
+    budgeted = json.loads(path.read_text())
+    assert budgeted["meta"]["device"] == "cpu"
+    rows = budgeted["rows"]
+    assert [(r["route"], r["budget"]) for r in rows] == [
+        (route, budget)
+        for route, small in (("factors", "320 KiB"), ("jacobians", "960 KiB"))
+        for budget in ("default", small, "none")
+    ]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["seconds"] > 0 and row["rel_diff"] < 1e-5  # float32 model
+        assert row["gflop"] > 0
+    assert "| B | route | budget | s | peak GiB |" in summary

@@ -242,7 +242,8 @@ def steps(runner: Runner, python: str, device: str, quick: bool) -> None:
     tests.notes.update(test_counts(out / "tests.xml"))
     # ResNet-18 (CIFAR stem) ntk + d/dx within the memory budget, each row its
     # own process
-    sizes = ["--quick", "--batch", "4", "--jacobian-batch", "4"] if quick else []
+    # (quick: the rows tests/test_gpu_script.py checks, ntk_budget.py's own test)
+    sizes = ["--quick", "--batch", "8"] if quick else []
     sizes = sizes or ["--model", "resnet18-cifar", "--batch", "16", "64"]
     sizes += [] if quick else ["--jacobian-batch", "16"]
     runner.run(
