@@ -2,10 +2,13 @@
 run at smoke sizes and writes what a GPU run writes; a step that overruns its limit
 or the budget is cut off and recorded, and the next step still runs.
 
-The dry run's ``ntk_budget`` step is ``benchmarks/jacobians/ntk_budget.py``'s quick
-mode, so this test checks that script's rows too (every row in its own process,
-the small budgets chunk, and every row's Gram and gradient equal the unbudgeted
-row's) rather than running it a second time.
+The dry run's ``ntk_budget`` and ``ntk`` steps are the quick modes of
+``benchmarks/jacobians/ntk_budget.py`` and ``ntk_routes.py``, so this test checks
+those scripts' rows too rather than running them a second time: every budget row
+in its own process, the small budgets chunk, and every row's Gram and gradient
+equal the unbudgeted row's; every NTK route runs or says why not, agrees with the
+per-layer factor route, each allocator setting has its run, FLOPs stand beside
+the times, and the Markdown report renders again from the JSON.
 
 No timing is asserted: the dry run's timings are single cold runs.
 """
@@ -56,8 +59,7 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     assert {r["device"] for r in results} == {"cpu"} and all(r["ok"] for r in results)
     assert {r["task"] for r in results} == {"jacobian", "gram"}
-    ntk = json.loads((out / "ntk_routes.json").read_text())
-    assert [run["device"] for run in ntk["runs"]] == ["cpu"]
+    _check_ntk_routes(out / "ntk_routes.json", out / "NTK_ROUTES.md", tmp_path)
     text = (out / "GPU.md").read_text()
     assert "| tests | ok |" in text and "| ntk | ok |" in text
     assert "| config | allocator | P | obj. |" in text
@@ -137,3 +139,40 @@ def _check_ntk_budget_rows(path: Path, summary: str) -> None:
         assert row["seconds"] > 0 and row["rel_diff"] < 1e-5  # float32 model
         assert row["gflop"] > 0
     assert "| B | route | budget | s | peak GiB |" in summary
+
+
+def _check_ntk_routes(path: Path, report: Path, tmp_path: Path) -> None:
+    """``ntk_routes.py --quick`` with two allocator settings."""
+    results = json.loads(path.read_text())
+    assert [run["allocator"] for run in results["runs"]] == ["default", "mmap-off"]
+    for run in results["runs"]:
+        assert run["device"] == "cpu" and run["matmul_gflop_per_s"] > 0
+        assert set(run["cases"]) == {"mlp", "cnn", "transformer"}
+        for case in run["cases"].values():
+            rows = case["routes"]
+            # the routes this package owns never fail
+            factors, jacobians = rows["factors"], rows["jacobians"]
+            assert "seconds" in factors and "seconds" in jacobians
+            # forming J is more work, counted and by the cost model
+            assert jacobians["gflop"] > factors["gflop"] > 0
+            assert jacobians["model_gmac"] > factors["model_gmac"] > 0
+            for row in rows.values():
+                if "error" in row:
+                    continue
+                assert row["seconds"] > 0 and row["gflop_per_s"] > 0
+                assert row["max relative difference to factors"] < 1e-4
+    text = report.read_text()
+    assert "| model | B | allocator | route | seconds | × factors | GFLOP |" in text
+    assert "### Issue #28's targets, allocator `mmap-off`" in text
+    again = tmp_path / "AGAIN.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/jacobians/ntk_routes.py")]
+        + ["--report-from", str(path), "--markdown", str(again)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert again.read_text() == text
