@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts import load_script
+from tests.scripts import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks/gpu/run_on_gpu.py"
@@ -165,14 +165,6 @@ def _check_ntk_routes(path: Path, report: Path, tmp_path: Path) -> None:
     assert "| model | B | allocator | route | seconds | × factors | GFLOP |" in text
     assert "### Issue #28's targets, allocator `mmap-off`" in text
     again = tmp_path / "AGAIN.md"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/jacobians/ntk_routes.py")]
-        + ["--report-from", str(path), "--markdown", str(again)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    script = ROOT / "benchmarks/jacobians/ntk_routes.py"
+    run_script(script, "--report-from", str(path), "--markdown", str(again))
     assert again.read_text() == text
