@@ -73,3 +73,15 @@ def test_a_backward_pass_says_which_tracked_gradients_it_uses() -> None:
     torch.autograd.grad(output(), [x, w])
     assert seen == [[True, False], [True, True], [False, True], [True, True]]
     assert tracked([torch.ones(2)])[0].grad_fn is None  # no grad: itself
+
+
+def test_without_the_engine_query_every_tracked_gradient_counts_as_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A PyTorch release without ``_will_engine_execute_node``: the gradients
+    are computed, never lost (the budgeted Gram then does what it did before)."""
+    monkeypatch.delattr(torch._C, "_will_engine_execute_node")
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    views = tracked([x, w, torch.ones(3)])
+    assert used_by_this_pass(views) == [True, True, False]

@@ -235,11 +235,16 @@ def _relu_cnn_and_inputs():
     return model, x
 
 
-@pytest.mark.parametrize("call", ["grad-x", "backward", "backward-params"])
-def test_each_way_of_asking_for_a_budgeted_gradient_gets_the_reference(call):
+@pytest.mark.parametrize(
+    "call", ["grad-x", "backward", "backward-params", "grad-x-no-engine-query"]
+)
+def test_each_way_of_asking_for_a_budgeted_gradient_gets_the_reference(
+    call, monkeypatch
+):
     """``autograd.grad(K, x)``, ``K.backward()`` and ``backward(inputs=params)``:
     the backward pass computes only what the call uses, and what it computes is
-    the reference's. A ReLU network: its signals do not depend on ``x``."""
+    the reference's (also where PyTorch cannot say what the call uses). A ReLU
+    network: its signals do not depend on ``x``."""
     model, x = _relu_cnn_and_inputs()
     params = list(model.parameters())
     backend = DiffBackPackGGN(model, "classification")
@@ -252,6 +257,10 @@ def test_each_way_of_asking_for_a_budgeted_gradient_gets_the_reference(call):
     K_ref, D_ref = _reference(model, x, x, one)
     expected = _grads(_functional(K_ref, D_ref), [x, *params])
     loss = _functional(K, D)
+    if call == "grad-x-no-engine-query":
+        # a PyTorch without the query: every gradient is computed, as before
+        monkeypatch.delattr(torch._C, "_will_engine_execute_node")
+        call = "grad-x"
     if call == "grad-x":
         got = list(torch.autograd.grad(loss, x))
         expected = expected[:1]
