@@ -200,8 +200,9 @@ def _step_plan(model, z, minibatch: int, n_data: int) -> str:
     if plan.whole:
         return "whole"
     how = "held" if plan.hold else "recomputed"
+    columns = "" if plan.width is None else f", columns of {plan.width}"
     batch = "" if plan.hold_batch else ", minibatch recomputed per use"
-    return f"locations in blocks of {plan.block} ({how}){batch}"
+    return f"locations in blocks of {plan.block} ({how}){columns}{batch}"
 
 
 def measure_floor(cfg: dict) -> dict:

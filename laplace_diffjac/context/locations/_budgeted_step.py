@@ -9,7 +9,8 @@ the memory budget (:mod:`laplace_diffjac.budget`), a step instead
 
 1. computes ``K_ZZ`` and ``K_ZX`` without a graph, the locations in blocks of
    ``z`` (their features held without a graph when they fit, else computed
-   again for each use);
+   again for each use), each block against the minibatch in column blocks of
+   ``w`` inputs (the per-pair intermediates of a Gram grow with ``z·w``);
 2. differentiates ``G`` with ``K_ZZ`` and ``K_ZX`` as leaves, giving ``∂G/∂K``
    (``(MC)²`` and ``MC × bC`` numbers);
 3. for each block of locations, computes its features again with their graph,
@@ -24,7 +25,7 @@ second pass over the locations' features (a third where they are not held).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -62,6 +63,9 @@ class StepPlan:
         The minibatch's features (without graph) are held through the step;
         ``False``: each use computes its chunk's features again
         (:class:`._batch_pieces.RecomputedPieces`).
+    width : int, optional
+        Minibatch inputs per column block of a Gram against a block of
+        locations; ``None``: each chunk of the minibatch whole.
 
     """
 
@@ -70,12 +74,13 @@ class StepPlan:
     whole: bool
     needs: int
     hold_batch: bool = True
+    width: int | None = None
 
 
 def plan_step(
     sizes: FeatureSizes, n_locations: int, batch: int, chunk: int, budget: int
 ) -> StepPlan:
-    """The largest blocks of locations whose step fits ``budget`` bytes.
+    """The blocks of locations and columns whose step fits ``budget`` bytes.
 
     Counted: the step's ``(MC)²`` and ``MC × bC`` matrices and their gradients
     (four of each), the minibatch's features (held, or one chunk's at a time
@@ -83,9 +88,17 @@ def plan_step(
     features (with their graph for the whole step; without, held or recomputed,
     otherwise) and the Grams' working memory: every Gram's graph, kept for the
     backward pass, in the whole step (``sizes.graph_gram``); otherwise one
-    block's against one column block (the other locations' blocks, the
-    minibatch's chunks of ``chunk``), the larger of its working memory without a
-    graph (``sizes.gram``, the Grams' pass) and its graph (the gradient's pass).
+    block of ``z`` locations against one column block (another block of
+    locations, or ``w`` of the minibatch's inputs), the larger of its working
+    memory without a graph (``sizes.gram``, the Grams' pass) and its graph (the
+    gradient's pass).
+
+    Holding features comes first: the minibatch's (else it is computed again
+    once per block of locations and pass), then the locations' (else once per
+    pair of blocks). Among the ``(z, w)`` that fit with the most held, the plan
+    makes the fewest Gram calls (:func:`_gram_calls`): the work is the same
+    multiply-adds in every plan, and each call pays its layers' launches and a
+    float64 copy of its operands.
 
     Parameters
     ----------
@@ -107,7 +120,7 @@ def plan_step(
     Raises
     ------
     MemoryBudgetError
-        If a block of one location does not fit.
+        If a block of one location against one input does not fit.
 
     """
     M, C = n_locations, sizes.n_outputs
@@ -120,35 +133,61 @@ def plan_step(
     if whole <= budget:
         return StepPlan(M, True, True, int(whole))
 
-    def needs(z: int, hold: bool, hold_batch: bool) -> float:
+    def needs(z: int, w: int, hold: bool, hold_batch: bool) -> float:
         minibatch = held_batch if hold_batch else one_chunk
         held = M * sizes.features if hold else z * (sizes.transient + sizes.features)
         rows = z * (sizes.graph + sizes.contracted + sizes.transient)
-        columns = max(z, chunk)
+        columns = max(z, w)
         block = max(sizes.gram(z, columns), sizes.graph_gram(z, columns))
         return matrices + minibatch + held + rows + block
 
-    # Holding saves recomputation: of the minibatch's features, once per block of
-    # locations and pass; of the locations', once per pair of blocks.
+    # every number of blocks of locations once: z = ⌈M/k⌉
+    blocks = sorted({-(-M // k) for k in range(1, M + 1)}, reverse=True)
     for hold_batch, hold in (
         (True, True),
         (True, False),
         (False, True),
         (False, False),
     ):
-        z = largest_fitting(partial(_fits, needs, hold, hold_batch, budget), M)
-        if z:
-            return StepPlan(z, hold, False, int(needs(z, hold, hold_batch)), hold_batch)
+        fitting = []
+        for z in blocks:
+            w = largest_fitting(
+                partial(_fits, needs, z, hold, hold_batch, budget), chunk
+            )
+            if w:
+                fitting.append((_gram_calls(M, batch, chunk, z, w), -z, w))
+        if fitting:
+            _, z, w = min(fitting)
+            z = -z
+            width = None if w >= chunk else w
+            need = int(needs(z, w, hold, hold_batch))
+            return StepPlan(z, hold, False, need, hold_batch, width)
     raise MemoryBudgetError(
         over_budget(
             f"A location step with {M} locations and a minibatch of {batch}",
-            int(needs(1, False, False)),
+            int(needs(1, 1, False, False)),
             budget,
             f"One input's features take {format_bytes(sizes.features)} "
             f"({format_bytes(sizes.graph)} with their graph); the step's matrices "
             f"{format_bytes(matrices)}. Fewer locations or a smaller batch_size fit.",
         )
     )
+
+
+def _gram_calls(M: int, batch: int, chunk: int, z: int, w: int) -> int:
+    """Gram calls of a step in blocks of ``z`` locations and columns of ``w`` inputs.
+
+    The Grams' pass: ``n(n+1)/2`` blocks of ``K_ZZ`` and ``n·m`` of ``K_ZX``; the
+    gradient's pass: ``n`` sends for each of the ``n`` blocks and ``m`` columns,
+    and ``n`` backward passes (``n`` blocks of locations, ``m`` column blocks).
+
+    Returns
+    -------
+    int
+    """
+    n = -(-M // z)
+    m = -(-batch // chunk) * -(-min(chunk, batch) // w)
+    return n * (n + 1) // 2 + n * m + n * (n + m) + n
 
 
 def route_sizes(route: Route, x: torch.Tensor) -> FeatureSizes:
@@ -179,20 +218,21 @@ def feature_chunk(sizes: FeatureSizes, chunk: int, budget: int) -> int:
 
 
 def _fits(
-    needs: Callable[[int, bool, bool], float],
+    needs: Callable[[int, int, bool, bool], float],
+    z: int,
     hold: bool,
     hold_batch: bool,
     budget: int,
-    z: int,
+    w: int,
 ) -> bool:
-    return needs(z, hold, hold_batch) <= budget
+    return needs(z, w, hold, hold_batch) <= budget
 
 
 class _Blocks:
     """The locations in blocks: their features without graph, held or recomputed."""
 
     def __init__(self, route: Route, Z: torch.Tensor, plan: StepPlan) -> None:
-        self.route, self.Z = route, Z
+        self.route, self.Z, self.width = route, Z, plan.width
         self.slices = [
             slice(s, min(s + plan.block, len(Z))) for s in range(0, len(Z), plan.block)
         ]
@@ -211,6 +251,26 @@ class _Blocks:
     def get(self, j: int) -> Pieces:
         """Block ``j``'s features."""
         return self.held[j] if self.held is not None else self._compute(self.slices[j])
+
+
+def _columns(pieces: Sequence[Pieces], width: int | None) -> Iterator[Pieces]:
+    """The minibatch's pieces in column blocks of ``width`` inputs, in order.
+
+    Each chunk is computed once (where recomputed), then sliced (views).
+
+    Yields
+    ------
+    NTKFeatures, JacobianFactors or torch.Tensor
+        ``width`` inputs' pieces (fewer at a chunk's end); a chunk whole when
+        ``width`` is ``None`` or at least its size.
+    """
+    for p in pieces:
+        n = _inputs(p)
+        if width is None or width >= n:
+            yield p
+            continue
+        for start in range(0, n, width):
+            yield p[start : start + width]
 
 
 def _rows(where: slice, C: int) -> slice:
@@ -239,11 +299,12 @@ def _grams(
                 if i != j:
                     K_zz[_rows(sj, C), _rows(si, C)] = block.mT
             if not held:  # each block's features once, every chunk for each
-                rows.append(torch.cat([route.cross(Fi, p) for p in pieces], dim=1))
+                crosses = [route.cross(Fi, p) for p in _columns(pieces, blocks.width)]
+                rows.append(torch.cat(crosses, dim=1))
         if held:  # each chunk's pieces once (computed again if not held)
             columns = [
                 torch.cat([route.cross(blocks.get(i), p) for i in range(len(blocks))])
-                for p in pieces
+                for p in _columns(pieces, blocks.width)
             ]
             rows = [torch.cat(columns, dim=1)]
     assert K_zz is not None
@@ -354,7 +415,7 @@ def _block_gradient(
     for j, sj in enumerate(blocks.slices):
         send(weights_zz[:, _rows(sj, C)], blocks.get(j))
     start = 0
-    for p in pieces:
+    for p in _columns(pieces, blocks.width):
         width = _inputs(p) * C
         send(weights_zx[:, start : start + width], p)
         start += width

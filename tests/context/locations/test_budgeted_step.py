@@ -2,12 +2,14 @@
 
 For plans that hold the locations' features in blocks, or compute them again
 for every use (given, and as small budgets choose them), with the minibatch's
-features held or computed again at each use, the minibatch's Nyström gap and
-its gradient in ``Z`` equal a float64 reference built from per-sample autograd
-Jacobians (an independent route), to 1e-10, on all three routes (structured
-features, per-layer factors, Jacobians); ``optimize_locations`` under such a
-budget, in memory and streamed, takes the unbudgeted run's steps. A budget
-that not even one location fits is refused before any step.
+features held or computed again at each use, whole or in narrower column
+blocks, the minibatch's Nyström gap and its gradient in ``Z`` equal a float64
+reference built from per-sample autograd Jacobians (an independent route), to
+1e-10, on all three routes (structured features, per-layer factors,
+Jacobians); ``optimize_locations`` under such a budget, in memory and
+streamed, takes the unbudgeted run's steps. A budget that not even one location
+fits is refused before any step; a small one narrows the columns before it
+gives up holding the locations' features.
 """
 
 from __future__ import annotations
@@ -106,6 +108,11 @@ def test_budgeted_step_equals_the_reference_gap_and_gradient(case):
     want_gap, want_grad = _reference(model, x, z, lam, 2.0)
     plans = [StepPlan(1, True, False, 0), StepPlan(2, False, False, 0)]
     plans += [StepPlan(3, True, False, 0), StepPlan(5, False, False, 0)]
+    # the minibatch's chunks (4, 4, 1) in narrower column blocks, some uneven
+    plans += [
+        StepPlan(2, True, False, 0, True, 3),
+        StepPlan(3, False, False, 0, True, 1),
+    ]
     plans += [plan for _, plan in _budgets(route, z, len(x), 4).values()]
     recomputed = RecomputedPieces(route, x.split(4))
     for plan, batch_pieces in itertools.product(plans, [pieces, recomputed]):
@@ -116,6 +123,35 @@ def test_budgeted_step_equals_the_reference_gap_and_gradient(case):
         value, none = budgeted_gap(*args, False)
         assert none is None
         torch.testing.assert_close(value, want_gap, rtol=1e-10, atol=0)
+
+
+def test_a_small_budget_narrows_the_columns_before_it_recomputes_the_locations():
+    """Where one location's Gram against a whole chunk of the minibatch does not
+    fit but against fewer inputs does, the plan holds the locations' features and
+    narrows the columns; every plan counts at most the budget."""
+    model = small_cnn()
+    z = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(3), dtype=F64)
+    route = make_route(DiffBackPackGGN(model, "classification"), 1.0, None, z.device)
+    sizes = route_sizes(route, z)
+    batch, chunk = 16, 8
+    narrowed = 0
+    budget = 2.0**14
+    while budget < 2.0**30:
+        try:
+            plan = plan_step(sizes, len(z), batch, chunk, int(budget))
+        except laplace_diffjac.MemoryBudgetError:
+            plan = None
+        if plan is not None and plan.whole:
+            break
+        if plan is not None:
+            assert plan.needs <= budget and plan.hold_batch
+            assert plan.width is None or 1 <= plan.width < chunk
+            # with columns of one input the locations are held: so here too
+            narrowest = plan_step(sizes, len(z), batch, 1, int(budget))
+            assert plan.hold or not narrowest.hold, (budget, plan, narrowest)
+            narrowed += plan.hold and plan.width is not None
+        budget *= 2**0.25
+    assert narrowed, "no budget narrowed the columns"
 
 
 # The factor route only: on the Jacobian route of this small CNN, the whole step's
