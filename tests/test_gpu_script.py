@@ -2,13 +2,16 @@
 run at smoke sizes and writes what a GPU run writes; a step that overruns its limit
 or the budget is cut off and recorded, and the next step still runs.
 
-The dry run's ``ntk_budget`` and ``ntk`` steps are the quick modes of
-``benchmarks/jacobians/ntk_budget.py`` and ``ntk_routes.py``, so this test checks
-those scripts' rows too rather than running them a second time: every budget row
-in its own process, the small budgets chunk, and every row's Gram and gradient
-equal the unbudgeted row's; every NTK route runs or says why not, agrees with the
-per-layer factor route, each allocator setting has its run, FLOPs stand beside
-the times, and the Markdown report renders again from the JSON.
+The dry run's ``ntk_budget``, ``context:step``, ``context:large`` and ``ntk`` steps
+are the quick modes of ``benchmarks/jacobians/ntk_budget.py``,
+``benchmarks/context_posterior/context_budget.py`` and ``ntk_routes.py``, so this
+test checks those scripts' rows too rather than running them a second time:
+every budget row in its own process, the small budgets chunk (a step too large
+for its budget is refused), and every row's Gram and gradient, posterior or
+locations equal the unbudgeted row's; every NTK route runs or says why not,
+agrees with the per-layer factor route, each allocator setting has its run,
+FLOPs stand beside the times, and the Markdown report renders again from the
+JSON.
 
 No timing is asserted: the dry run's timings are single cold runs.
 """
@@ -73,10 +76,7 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     assert all("fit_s" in r for r in fit["rows"]), fit["rows"]
     # float32's error against float64, measured, not zero and not large
     assert 0 < fit["rows"][1]["rel_diff"] < 1e-3
-    step = json.loads((out / "context_step.json").read_text())
-    assert [r["path"] for r in step["rows"]] == ["step"] and "step_s" in step["rows"][0]
-    large = json.loads((out / "context_large.json").read_text())
-    assert all("fit_s" in r for r in large["rows"]), large["rows"]
+    _check_small_budget_rows(out / "context_large.json", out / "context_step.json")
     assert "| M | N | budget | dtype | plan |" in text
     assert "| M | N | minibatch | budget | plan |" in text
     logs = ("logs/tests.log", "logs/ntk_budget.log", "logs/context-fit.log")
@@ -121,6 +121,38 @@ def test_a_failed_test_step_reads_failed_whatever_pytest_skipped(tmp_path):
     runner.run("ntk", [sys.executable, "-c", "pass"])
     done = script.summary(runner, "cpu", True, 60)
     assert "| tests | failed |" in done and "| ntk | skipped |" in done
+
+
+def _check_small_budget_rows(fit_path: Path, step_path: Path) -> None:
+    """``context_budget.py --quick`` under no budget and two small ones (the dry
+    run's ``context:large`` and ``context:step``): every row in its own process,
+    small budgets chunk the fit (recomputing or holding the locations) and the
+    location step, a budget too small for a step is refused, and every row's
+    predictive variance and evidence, or locations after three steps, equal the
+    unbudgeted row's."""
+    budgets = ["none", "640 KiB", "2.25 MiB"]
+    fit = json.loads(fit_path.read_text())
+    fits = fit["rows"]
+    assert [(r["path"], r["budget"]) for r in fits] == [("fit", b) for b in budgets]
+    for row in fits:
+        assert "error" not in row, row
+        assert row["fit_s"] > 0 and row["rel_diff"] < 1e-10
+        assert row["fit_gflop"] > 0  # counted on one more, untimed fit
+    assert fits[0]["plan"] == "whole"
+    assert fits[1]["plan"].endswith("(recomputed)"), fits[1]
+    assert fits[2]["plan"].endswith("(held)"), fits[2]
+    assert fit["floor"]["flops_per_s"] > 0
+    steps = json.loads(step_path.read_text())["rows"]
+    assert [(r["path"], r["budget"]) for r in steps] == [("step", b) for b in budgets]
+    assert steps[1]["error"].startswith("MemoryBudgetError: A location step")
+    for row in (steps[0], steps[2]):
+        assert "error" not in row, row
+        # the model is float32, and so are the locations' gradients: the blocked
+        # backward pass adds them in another order (float64 steps: test_budgeted_step)
+        assert row["step_s"] > 0 and row["rel_diff"] < 1e-5
+        assert row["total_gflop"] > 0
+    assert steps[0]["plan"] == "whole"
+    assert steps[2]["plan"].startswith("locations in blocks of"), steps[2]
 
 
 def _check_ntk_budget_rows(path: Path, summary: str) -> None:

@@ -24,7 +24,9 @@ starts (``OUT`` is where the results go, e.g. ``$OUT`` of a device run):
    ``OUT/CONTEXT_FIT.md``; ``context:step`` (at most 100 s), ``optimize_locations``
    with M = 100, N = 10,000, minibatches of 256, ``OUT/CONTEXT_STEP.md``;
    ``context:large`` (at most 200 s), M = 256, N = 10,000, float64,
-   ``OUT/CONTEXT_LARGE.md``. Each writes its JSON after every row.
+   ``OUT/CONTEXT_LARGE.md``. Each writes its JSON after every row. In the dry
+   run the step and the large fit run without a budget and under two small ones
+   instead (the plans that chunk at smoke size).
 6. **NTK routes** (at most 110 s): ``benchmarks/jacobians/ntk_routes.py`` at its
    recorded sizes, 3 interleaved rounds, with FLOPs: ``OUT/ntk_routes.json``,
    ``OUT/NTK_ROUTES.md``.
@@ -276,34 +278,39 @@ def steps(runner: Runner, python: str, device: str, quick: bool) -> None:
 
 
 #: The context rows (issue #42, item 5): step name, output stem, arguments at
-#: real size, and at the smoke size of ``--quick``.
+#: real size (the device's default budget), and at the smoke size of ``--quick``,
+#: where the step and the large fit run the budgets that chunk at that size
+#: (none, one too small for a step that recomputes a fit's locations, one that
+#: holds them), so that the dry run checks those plans too.
+SMALL_BUDGETS = ["--budgets", "none", "640 KiB", "2.25 MiB"]
 CONTEXT_ROWS = [
     (
         "context:fit",
         "context_fit",
         ["--paths", "fit", "--locations", "64", "--n-data", "2000"]
-        + ["--dtypes", "float64", "float32"],
-        ["--paths", "fit", "--dtypes", "float64", "float32"],
+        + ["--dtypes", "float64", "float32", "--budgets", "default"],
+        ["--paths", "fit", "--dtypes", "float64", "float32", "--budgets", "default"],
     ),
     (
         "context:step",
         "context_step",
         ["--paths", "step", "--step-locations", "100", "--step-data", "10000"]
-        + ["--minibatch", "256"],
-        ["--paths", "step"],
+        + ["--minibatch", "256", "--budgets", "default"],
+        ["--paths", "step", *SMALL_BUDGETS],
     ),
     (
         "context:large",
         "context_large",
-        ["--paths", "fit", "--locations", "256", "--n-data", "10000"],
-        ["--paths", "fit"],
+        ["--paths", "fit", "--locations", "256", "--n-data", "10000"]
+        + ["--budgets", "default"],
+        ["--paths", "fit", *SMALL_BUDGETS],
     ),
 ]
 
 
 def context_steps(runner: Runner, python: str, device: str, quick: bool) -> None:
     """The context posterior's and the location step's real-size rows, each step
-    its own ``context_budget.py`` run under the device's default budget."""
+    its own ``context_budget.py`` run (its budgets in :data:`CONTEXT_ROWS`)."""
     model = ["--quick"] if quick else ["--model", "resnet18-cifar"]
     for name, stem, sizes, quick_sizes in CONTEXT_ROWS:
         limit = LIMITS[name]
@@ -311,7 +318,7 @@ def context_steps(runner: Runner, python: str, device: str, quick: bool) -> None
             name,
             [python, CONTEXT_BUDGET, "--device", device, *model]
             + (quick_sizes if quick else sizes)
-            + ["--budgets", "default", "--timeout", str(limit)]
+            + ["--timeout", str(limit)]
             + ["--out", runner.out / f"{stem}.json"]
             + ["--markdown", runner.out / f"{stem.upper()}.md"],
         )

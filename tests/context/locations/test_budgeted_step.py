@@ -70,23 +70,29 @@ def _reference(model, x, z, lam, prec):
     return gap.detach(), grad
 
 
-def _budgets(route, z, batch, chunk):
-    """The smallest budgets (steps of 2^(1/4)) whose plans chunk, by kind of plan:
-    the locations' features held or recomputed, the minibatch's held or not."""
-    sizes = route_sizes(route, z)
-    found = {}
+def _chunking_plans(sizes, n_locations, batch, chunk):
+    """``(budget, plan)`` for budgets in steps of 2^(1/4) from 1 KiB, up to the
+    first whole step: every budget whose plan chunks (those refused left out)."""
     budget = 2.0**10
     while budget < 2.0**34:
         try:
-            plan = plan_step(sizes, len(z), batch, chunk, int(budget))
+            plan = plan_step(sizes, n_locations, batch, chunk, int(budget))
         except laplace_diffjac.MemoryBudgetError:
             plan = None
         if plan is not None and plan.whole:
-            break
+            return
         if plan is not None:
-            kind = ("hold" if plan.hold else "recompute", plan.hold_batch)
-            found.setdefault(kind, (int(budget), plan))
+            yield int(budget), plan
         budget *= 2**0.25
+
+
+def _budgets(route, z, batch, chunk):
+    """The smallest budgets whose plans chunk, by kind of plan: the locations'
+    features held or recomputed, the minibatch's held or not."""
+    found = {}
+    for budget, plan in _chunking_plans(route_sizes(route, z), len(z), batch, chunk):
+        kind = ("hold" if plan.hold else "recompute", plan.hold_batch)
+        found.setdefault(kind, (budget, plan))
     return found
 
 
@@ -135,22 +141,14 @@ def test_a_small_budget_narrows_the_columns_before_it_recomputes_the_locations()
     sizes = route_sizes(route, z)
     batch, chunk = 16, 8
     narrowed = 0
-    budget = 2.0**14
-    while budget < 2.0**30:
-        try:
-            plan = plan_step(sizes, len(z), batch, chunk, int(budget))
-        except laplace_diffjac.MemoryBudgetError:
-            plan = None
-        if plan is not None and plan.whole:
-            break
-        if plan is not None:
-            assert plan.needs <= budget and plan.hold_batch
-            assert plan.width is None or 1 <= plan.width < chunk
+    for budget, plan in _chunking_plans(sizes, len(z), batch, chunk):
+        assert plan.needs <= budget
+        assert plan.width is None or 1 <= plan.width < chunk
+        if plan.hold_batch:
             # with columns of one input the locations are held: so here too
-            narrowest = plan_step(sizes, len(z), batch, 1, int(budget))
+            narrowest = plan_step(sizes, len(z), batch, 1, budget)
             assert plan.hold or not narrowest.hold, (budget, plan, narrowest)
             narrowed += plan.hold and plan.width is not None
-        budget *= 2**0.25
     assert narrowed, "no budget narrowed the columns"
 
 
