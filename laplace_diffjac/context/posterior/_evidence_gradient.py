@@ -22,9 +22,10 @@ Within the memory budget (:mod:`laplace_diffjac.budget`): pass 1 takes the data
 in chunks and the locations in blocks as :meth:`ContextPosterior.fit` does
 (:func:`._chunks.plan_chunks`); pass 2 holds the locations' features with their
 graph (they are differentiated once per data chunk) and sizes its data chunks
-for what is left. A budget that cannot hold them is refused before any work,
-naming the way out: ``objective='gap'``, whose step recomputes the locations'
-features block by block, or fewer locations.
+for what is left. Where they do not fit, pass 2 takes the Grams as leaves and
+computes the locations' features again with their graph, block by block, for
+every data chunk (:mod:`._evidence_blocks`). A budget that cannot hold one
+location and one input beside ``K_ZZ`` is refused before any work.
 
 The Nyström gap minimised by ``optimize_locations`` is, up to the factor ``h``
 and ``½``, the bound's trace term: the bound adds the ``log det`` term, which
@@ -39,7 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from ...backends import JacobianBackend
-from ...budget import format_bytes, get_memory_budget, over_budget
+from ...budget import get_memory_budget
 from ...data import (
     Data,
     TrainingData,
@@ -48,11 +49,16 @@ from ...data import (
     is_distributed,
     reduce_sum,
 )
-from ...errors import MemoryBudgetError
 from ...kernels import output_hessians
 from ...kernels._feature_sizes import FeatureSizes, feature_sizes
 from ._chunks import ChunkedFeatures, Chunks, largest_fitting, plan_chunks, slices
 from ._evidence import log_det_eye_plus, log_likelihood
+from ._evidence_blocks import (
+    BlockedGradientPlan,
+    blocked_data_gradient,
+    plan_blocked_gradient,
+    whitened_sum,
+)
 from ._features import BatchFeatures, batch_features
 from ._hyperparameters import PriorGroups
 from ._statistics import Accumulators, frame_factor, reduce_accumulators
@@ -138,8 +144,8 @@ def evidence_loss_backward(
     InvalidInputError
         For a ``DistributedSampler`` that pads its shards with repeated points.
     MemoryBudgetError
-        If the locations' features with their graph do not fit the memory
-        budget, before any work.
+        If not even one location's features with their graph and one input's
+        fit the memory budget beside ``K_ZZ``, before any work.
 
     """
     if prior_precision.numel() != 1:
@@ -153,7 +159,7 @@ def evidence_loss_backward(
     largest = batch_size if loader is None else loader.batch_size or 1024
     sizes = feature_sizes(backend, locations.detach(), True)
     budget = get_memory_budget(locations.device)
-    gradient_chunk = _gradient_chunk(sizes, len(locations), largest, budget)
+    gradient_plan = _gradient_plan(sizes, len(locations), largest, budget)
     chunks = plan_chunks(sizes, len(locations), largest, 1, budget)
     with torch.no_grad():
         Z0 = _location_features(backend, locations.detach(), chunks)
@@ -179,11 +185,53 @@ def evidence_loss_backward(
     (-bound).backward(inputs=[W, *others])
     if wants_z:
         assert W.grad is not None
-        _data_gradient(
-            backend, locations, W.grad.detach(), training_data, likelihood, jitter,
-            gradient_chunk,
-        )  # fmt: skip
+        grad_W = W.grad.detach()
+        before = locations.grad.detach().clone() if locations.grad is not None else None
+        if isinstance(gradient_plan, int):
+            _data_gradient(
+                backend, locations, grad_W, training_data, likelihood, jitter,
+                gradient_plan,
+            )  # fmt: skip
+        else:
+            blocked_data_gradient(
+                backend, locations, grad_W, training_data, likelihood, jitter,
+                gradient_plan,
+            )  # fmt: skip
+        _reduce_gradient(locations, before)
     return (-bound).detach()
+
+
+def _gradient_plan(
+    sizes: FeatureSizes, M: int, batch: int, budget: int
+) -> int | BlockedGradientPlan:
+    """Pass 2's plan: the locations' graph held where it fits, else by blocks.
+
+    Returns
+    -------
+    int or BlockedGradientPlan
+        The data chunk with the locations' graph held (:func:`_gradient_chunk`),
+        or the plan by blocks of locations (:mod:`._evidence_blocks`).
+
+    Raises
+    ------
+    MemoryBudgetError
+        If not even one location and one input fit, before any work.
+    """
+    chunk = _gradient_chunk(sizes, M, batch, budget)
+    return chunk if chunk else plan_blocked_gradient(sizes, M, batch, budget)
+
+
+def _reduce_gradient(locations: torch.Tensor, before: torch.Tensor | None) -> None:
+    """Sum pass 2's share of ``locations.grad`` over the ranks (distributed).
+
+    It is a sum over data; what ``.grad`` held before is kept once.
+    """
+    if not is_distributed():
+        return
+    local = torch.zeros_like(locations) if locations.grad is None else locations.grad
+    local = local.detach() - (0 if before is None else before)
+    total = reduce_sum(local)
+    locations.grad = total if before is None else before + total
 
 
 def _location_features(
@@ -217,12 +265,8 @@ def _gradient_chunk(sizes: FeatureSizes, M: int, batch: int, budget: int) -> int
     Returns
     -------
     int
-        The largest chunk in ``1..batch`` that fits ``budget`` bytes.
-
-    Raises
-    ------
-    MemoryBudgetError
-        If not even one input fits beside the locations.
+        The largest chunk in ``1..batch`` that fits ``budget`` bytes; 0 if not
+        even one input fits beside the locations.
     """
     C = sizes.n_outputs
     held = M * sizes.graph + sizes.gram(M, M)
@@ -230,19 +274,7 @@ def _gradient_chunk(sizes: FeatureSizes, M: int, batch: int, budget: int) -> int
     def needs(c: int) -> float:
         return held + c * sizes.transient + sizes.gram(M, c) + 32.0 * M * C * c * C
 
-    chunk = largest_fitting(lambda c: needs(c) <= budget, batch)
-    if not chunk:
-        raise MemoryBudgetError(
-            over_budget(
-                f"objective='evidence' with {M} locations",
-                int(needs(1)),
-                budget,
-                "Its gradient holds the locations' features with their graph "
-                f"({format_bytes(M * sizes.graph)}); objective='gap' recomputes "
-                "them block by block within the budget, or use fewer locations.",
-            )
-        )
-    return chunk
+    return largest_fitting(lambda c: needs(c) <= budget, batch)
 
 
 def _data_gradient(
@@ -264,28 +296,15 @@ def _data_gradient(
     all-reduced; the hyperparameters' gradients see the data only through the
     reduced sums and are already the same on every rank.
     """
-    before = locations.grad.detach().clone() if locations.grad is not None else None
     Z = batch_features(backend, locations, True)
     ones = torch.ones((), dtype=torch.float64, device=locations.device)
     L = frame_factor(Z.gram(Z, ones), jitter)
-    MC = grad_W.shape[0]
     for xb in data.input_batches():
         xb = xb.to(locations.device)
         for where in slices(len(xb), chunk):
             with torch.no_grad():
                 features = batch_features(backend, xb[where], False)
-                f = features.f
-                lam = output_hessians(f, likelihood)
-            K = Z.gram(features, ones)
-            V = torch.linalg.solve_triangular(L, K, upper=False)
-            V = V.reshape(MC, *f.shape)
-            VL = torch.einsum("kbc,bce->kbe", V, lam).reshape(MC, -1)
-            W_b = V.reshape(MC, -1) @ VL.T
+                lam = output_hessians(features.f, likelihood)
+            W_b = whitened_sum(L, Z.gram(features, ones), lam)
             (grad_W * W_b).sum().backward(retain_graph=True, inputs=[locations])
-            del features, K, V, VL, W_b
-    if not is_distributed():
-        return
-    local = torch.zeros_like(locations) if locations.grad is None else locations.grad
-    local = local.detach() - (0 if before is None else before)
-    total = reduce_sum(local)
-    locations.grad = total if before is None else before + total
+            del features, W_b

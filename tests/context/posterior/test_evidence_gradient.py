@@ -1,7 +1,8 @@
 """The evidence objective in Z, δ and σ against dense torch.func autograd.
 
-Also within a memory budget too small for the locations or a batch in one piece:
-the same value and gradients, in chunks.
+Also within a memory budget too small for the locations or a batch in one piece,
+and one too small for the locations' graph: the same value and gradients, in
+chunks and blocks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from laplace_diffjac import DiffBackPackGGN, DiffFuncGGN
 from laplace_diffjac.budget import memory_budget
 from laplace_diffjac.context import ContextPosterior, evidence_loss_backward
 from laplace_diffjac.context.posterior import _evidence_gradient
+from laplace_diffjac.context.posterior._evidence_blocks import BlockedGradientPlan
 from laplace_diffjac.errors import MemoryBudgetError
+from laplace_diffjac.kernels._feature_sizes import feature_sizes
 from tests.context.helpers import MLP, dense_bound, evidence_data
 
 
@@ -98,8 +101,77 @@ def test_a_budget_below_the_locations_graph_is_refused_before_work():
         evidence_loss_backward(
             DiffBackPackGGN(model, "regression"), z, loader, "regression", prec, prec
         )
-    assert "objective='gap'" in str(info.value) and "set_memory_budget" in str(
-        info.value
-    )
+    assert "fewer locations" in str(info.value)
+    assert "set_memory_budget" in str(info.value)
     assert z.grad is None
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _blocked_budget(backend, z, batch):
+    """The smallest budget (steps of 2^(1/4)) at which pass 2 goes by blocks of
+    locations, and its plan."""
+    sizes = feature_sizes(backend, z.detach(), True)
+    budget = 2.0**8
+    while budget < 2.0**30:
+        try:
+            plan = _evidence_gradient._gradient_plan(sizes, len(z), batch, int(budget))
+        except MemoryBudgetError:
+            plan = None
+        assert not isinstance(plan, int), "no budget goes by blocks"
+        if plan is not None:
+            return int(budget), plan
+        budget *= 2**0.25
+    raise AssertionError("no budget fits")
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_below_the_locations_graph_the_blocked_pass_matches_dense_autograd(
+    likelihood, monkeypatch
+):
+    """A budget too small to hold the locations' graph: pass 2 computes the
+    locations' features again, block by block, for every data chunk. With the
+    plan that budget chooses, and with given plans (the locations' features
+    without graph held, or computed per use too; uneven blocks and chunks), the
+    value and every gradient are the dense bound's."""
+    model, x, y, _ = evidence_data(likelihood, n=12)
+    loader = DataLoader(TensorDataset(x, y), batch_size=6)
+    z = MLP.inputs(5, 11).requires_grad_()
+    backend = DiffBackPackGGN(model, likelihood)
+    budget, chosen = _blocked_budget(backend, z, 6)
+    assert chosen.block < len(z) and chosen.chunk < 6, chosen
+    plans = [chosen, BlockedGradientPlan(2, 4, False, 0)]
+    plans += [BlockedGradientPlan(3, 5, True, 0), BlockedGradientPlan(5, 6, False, 0)]
+    taken = []
+    blocked = _evidence_gradient.blocked_data_gradient
+
+    def spy(*args):
+        taken.append(args[-1])
+        return blocked(*args)
+
+    monkeypatch.setattr(_evidence_gradient, "blocked_data_gradient", spy)
+    z_ref = z.detach().clone().requires_grad_()
+    lp = torch.tensor(0.4, dtype=torch.float64, requires_grad=True)
+    sigma = 0.7 if likelihood == "regression" else 1.0
+    dense, _ = dense_bound(model, x, y, z_ref, likelihood, lp.exp(), sigma)
+    want = torch.autograd.grad(-dense, [z_ref, lp])
+    planner = _evidence_gradient._gradient_plan
+    for plan in plans:
+        given = plan is not chosen
+        monkeypatch.setattr(
+            _evidence_gradient,
+            "_gradient_plan",
+            (lambda *a, p=plan: p) if given else planner,
+        )
+        z.grad = None
+        log_prec = lp.detach().clone().requires_grad_()
+        with memory_budget(budget):
+            loss = evidence_loss_backward(
+                backend, z, loader, likelihood, log_prec.exp(),
+                torch.tensor(0.7, dtype=torch.float64), jitter=0.0,
+                inputs=[z, log_prec],
+            )  # fmt: skip
+        assert taken[-1] == plan
+        torch.testing.assert_close(loss, -dense.detach(), rtol=1e-10, atol=1e-12)
+        for leaf, g in zip([z, log_prec], want):
+            torch.testing.assert_close(leaf.grad, g, rtol=1e-9, atol=1e-12)
     assert all(p.grad is None for p in model.parameters())
