@@ -148,10 +148,6 @@ def _blocks_fit(
     return needs(hold, z, c) <= budget
 
 
-def _alone(features: BatchFeatures) -> list[BatchFeatures]:
-    return [features]
-
-
 def whitened_sum(L: torch.Tensor, K: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
     """A chunk's whitened sum ``W_b = V Λ Vᵀ``, ``V = L⁻¹ K_Zb``.
 
@@ -221,12 +217,12 @@ def blocked_data_gradient(
                 W_b = whitened_sum(L, K, lam)
                 (grad_W * W_b).sum().backward(retain_graph=True, inputs=[K, K_zz])
             assert K.grad is not None
-            blocks.send(K.grad, partial(_alone, features), C, ones)
+            blocks.send(K.grad, [features], C, ones)
             del features, K, W_b
     assert K_zz.grad is not None
     weights = K_zz.grad + K_zz.grad.mT
     del L, K_zz
-    blocks.send(weights, blocks.all, C, ones)
+    blocks.send(weights, blocks, C, ones)
 
 
 class _LocationBlocks:
@@ -252,48 +248,46 @@ class _LocationBlocks:
         """Block ``i``'s features without graph."""
         return self.held[i] if self.held is not None else self._compute(self.slices[i])
 
-    def all(self) -> Iterator[BatchFeatures]:
-        """Every block's features without graph, in order."""
+    def __iter__(self) -> Iterator[BatchFeatures]:
+        """Every block's features without graph, in order (again at each pass)."""
         return (self.get(i) for i in range(len(self.slices)))
 
     def gram(self, ones: torch.Tensor) -> torch.Tensor:
         """``K_ZZ`` ``(MC, MC)`` without graph, block by block."""
         with torch.no_grad():
-            rows = [
-                torch.cat([Fi.gram(Fj, ones) for Fj in self.all()], dim=1)
-                for Fi in self.all()
-            ]
+            rows = [torch.cat([Fi.gram(Fj, ones) for Fj in self], dim=1) for Fi in self]
         return torch.cat(rows)
 
     def cross(self, other: BatchFeatures, ones: torch.Tensor) -> torch.Tensor:
         """``K_Zb`` ``(MC, bC)`` without graph, block by block."""
         with torch.no_grad():
-            return torch.cat([Fi.gram(other, ones) for Fi in self.all()])
+            return torch.cat([Fi.gram(other, ones) for Fi in self])
 
     def send(
         self,
         weights: torch.Tensor,
-        columns: Callable[[], Iterable[BatchFeatures]],
+        columns: Iterable[BatchFeatures],
         C: int,
         ones: torch.Tensor,
     ) -> None:
         """Add ``∂⟨weights, K(Z, columns)⟩/∂Z`` to ``locations.grad``.
 
-        The columns are held fixed; each block's features are computed again
-        with their graph, and one column block's Gram is kept at a time.
+        The columns (a list, or these blocks, iterated once per block) are held
+        fixed; each block's features are computed again with their graph, and
+        one column block's Gram is kept at a time.
         """
         for where in self.slices:
             rows = slice(where.start * C, where.stop * C)
             with torch.enable_grad():
                 Zi = batch_features(self.backend, self.locations[where], True)
                 start = 0
-                pieces = list(columns())
-                for k, other in enumerate(pieces):
+                for other in columns:  # one column block's features at a time
                     block = Zi.gram(other, ones)
                     width = block.shape[1]
                     part = weights[rows, start : start + width]
                     start += width
-                    last = k == len(pieces) - 1
+                    # Zi's graph serves every column block; it goes with Zi
                     (part * block).sum().backward(
-                        retain_graph=not last, inputs=[self.locations]
+                        retain_graph=True, inputs=[self.locations]
                     )
+                del Zi
