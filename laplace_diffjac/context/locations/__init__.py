@@ -2,7 +2,8 @@
 
 :func:`optimize_locations` (``_optimizer``) takes its options from
 :class:`LocationSettings` (``_settings``), initialises the locations
-(``_init``: random subset or k-means), and minimises the likelihood-weighted
+(``_init``: random subset or k-means, from one pass over the data in memory or
+streamed: ``_sources``, ``_scan``), and minimises the likelihood-weighted
 Nyström gap (``_gap``) on minibatches, through Jacobians or the structured Gram
 (``_routes``), with the training side computed once (``_training_cache``) or
 streamed (``_streaming``); minibatches and early stopping in ``_minibatches``,

@@ -6,7 +6,6 @@ from numbers import Integral
 
 import torch
 
-from ...data import assemble_rows
 from ...errors import InvalidInputError
 
 __all__ = [
@@ -15,7 +14,6 @@ __all__ = [
     "initial_locations",
     "kmeans",
     "random_subset",
-    "sharded_initial_locations",
 ]
 
 STRATEGIES = ("random", "kmeans")
@@ -185,58 +183,6 @@ def check_init_size(
         raise InvalidInputError(
             f"init must be 'random', 'kmeans' or a tensor of locations, got {init!r}."
         )
-
-
-def sharded_initial_locations(
-    x_local: torch.Tensor,
-    lo: int,
-    n: int,
-    m: int,
-    init: str,
-    generator: torch.Generator,
-    max_inputs: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """:func:`initial_locations` over the shards of a process group.
-
-    The global indices are drawn exactly as a single process draws them on the
-    concatenated data; the rows are assembled by one all-reduce. ``'kmeans'``
-    runs on all ``N`` inputs when ``N <= max_inputs``, else on a uniformly
-    random subset of ``max_inputs`` of them (single process or not).
-
-    Parameters
-    ----------
-    x_local : torch.Tensor
-        This rank's shard ``(n_local, *input_shape)``.
-    lo : int
-        Global index of its first row.
-    n : int
-        ``N`` over all shards.
-    m : int
-        Number of locations.
-    init : {'random', 'kmeans'}
-        Strategy.
-    generator : torch.Generator
-        CPU generator, seeded identically on every rank.
-    max_inputs : int
-        Most inputs k-means sees (and holds) at once.
-    device : torch.device
-        Device of the result (and of the group's communication).
-
-    Returns
-    -------
-    torch.Tensor
-        ``(m, *input_shape)``, identical on every rank.
-
-    """
-    if init == "random":
-        idx = torch.randperm(n, generator=generator)[:m]
-        return assemble_rows(x_local, idx, lo, device)
-    if n <= max_inputs:
-        idx = torch.arange(n)
-    else:
-        idx = torch.randperm(n, generator=generator)[:max_inputs]
-    return kmeans(assemble_rows(x_local, idx, lo, device), m, generator)
 
 
 def _check_m(x: torch.Tensor, m: int) -> None:

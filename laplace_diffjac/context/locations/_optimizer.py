@@ -1,11 +1,14 @@
 """Optimise context locations: minimise the Nyström gap with Adam on minibatches.
 
-The objective is :func:`laplace_diffjac.context.nystrom_gap`. In memory,
-everything that does not depend on the locations (``Λₙ``, ``tr(Λₙ k(xₙ, xₙ))``
-and, when they fit, the training inputs' kernel pieces) is computed once
-(:mod:`._training_cache`); streamed (:mod:`._streaming`), they are computed for
-each step's batch only. Under ``torch.distributed`` every rank evaluates its part
-of the minibatch and the parts are all-reduced (:mod:`._sharding`).
+The objective is :func:`laplace_diffjac.context.nystrom_gap`. One pass over the
+data, in memory or streamed, gives ``N``, the initial locations and the learning
+rate (:mod:`._sources`, :mod:`._scan`); the steps' minibatches then come from a
+source: in memory, everything that does not depend on the locations (``Λₙ``,
+``tr(Λₙ k(xₙ, xₙ))`` and, when they fit, the training inputs' kernel pieces) is
+computed once (:mod:`._training_cache`); streamed (:mod:`._streaming`), it is
+computed for each step's batch only. Under ``torch.distributed`` every rank
+evaluates its part of the minibatch and the parts are all-reduced
+(:mod:`._sharding`).
 """
 
 from __future__ import annotations
@@ -17,23 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
 
 from ..._progress import progress
 from ...backends import BackendSpec, as_backend
 from ...budget import get_memory_budget
-from ...data import (
-    Data,
-    TrainingData,
-    all_reduce_sum,
-    check_finite,
-    check_fits_model,
-    check_like_model,
-    check_likelihood,
-    check_same_on_ranks,
-    rank,
-    shard_offsets,
-)
+from ...data import Data, all_reduce_sum, check_likelihood
 from ...jacobians._model_guard import preserved_state
 from ...kernels import PriorPrecision
 from ._budgeted_step import (
@@ -45,14 +36,12 @@ from ._budgeted_step import (
 )
 from ._evidence_steps import check_objective, optimise_evidence
 from ._gap import batch_gap
-from ._init import check_init_size, sharded_initial_locations
-from ._minibatches import EarlyStopping, InMemorySource, Source
+from ._minibatches import EarlyStopping, Source
 from ._result import LocationHistory, LocationResult
 from ._routes import Route, make_route
 from ._settings import LocationSettings, resolve_settings
-from ._sharding import default_lr, sync_gradient
-from ._streaming import StreamSource, feature_shape, scan, streamed_initial_locations
-from ._training_cache import TrainingCache, training_hessians
+from ._sharding import sync_gradient
+from ._sources import read_data
 
 __all__ = ["SMALL_STEP", "optimize_locations", "step_threads"]
 
@@ -144,16 +133,19 @@ def optimize_locations(
 
     Notes
     -----
+    **One pass first.** In memory or streamed, one pass over the inputs gives
+    ``N``, the default ``lr`` (per-feature mean and variance) and the initial
+    locations: every input gets a uniform random key, ``'random'`` takes the
+    ``m`` inputs with the smallest keys and ``'kmeans'`` runs k-means on the
+    ``max(m, max_inputs)`` smallest (all inputs when ``N <= max_inputs``).
+
     **Streaming** (``settings.stream=True`` with a ``DataLoader``, or by default
-    a loader over an ``IterableDataset``, which must be finite): one pass over
-    the loader gives ``N``, the default ``lr`` (streaming per-feature mean and
-    variance) and the initial locations (``'random'``: a uniform random subset
-    drawn by bottom-``m`` random keys; ``'kmeans'``: k-means on such a subset
-    of ``max(m, max_inputs)`` inputs). Each step's minibatch is then the
-    loader's next batch (the iterator restarts at its end), with ``Λₙ`` and
-    the pieces computed for that batch only; the estimate is ``N / b`` times
-    the batch sum (unbiased when the loader's batches are uniform draws, e.g.
-    ``shuffle=True``). Memory holds one batch and the sample, never ``N``.
+    a loader over an ``IterableDataset``, which must be finite): each step's
+    minibatch is the loader's next batch (the iterator restarts at its end),
+    with ``Λₙ`` and the pieces computed for that batch only; the estimate is
+    ``N / b`` times the batch sum (unbiased when the loader's batches are
+    uniform draws, e.g. ``shuffle=True``). Memory holds one batch and the
+    sample, never ``N``.
 
     **torch.distributed** (a process group is initialised, e.g. by
     ``torchrun``): ``data`` on each rank is that rank's shard; the shards in
@@ -163,10 +155,9 @@ def optimize_locations(
     evaluates the part it owns, and the partial objective and gradient in
     ``Z`` are all-reduced (summed) before the Adam step, so ``Z`` is identical
     on every rank and equal to the single-process result up to the order of
-    floating-point sums. ``'random'`` and ``'kmeans'`` draw the same global
-    indices as a single process (k-means on all inputs when
-    ``N <= max_inputs``, else on a random subset of ``max_inputs`` of them, in
-    both cases); a given ``init`` must be equal on every rank (checked by a
+    floating-point sums. An input's key depends on its global index only, so
+    ``'random'`` and ``'kmeans'`` start from the locations a single process
+    draws; a given ``init`` must be equal on every rank (checked by a
     checksum). Early stopping and ``evaluate_full`` use the all-reduced
     objective, so every rank stops at the same step. Streamed, each rank
     draws from its own loader and the objective is the sum over ranks scaled
@@ -179,20 +170,19 @@ def optimize_locations(
     device = next(model.parameters()).device
     jacobian_backend = as_backend(model, likelihood, backend)
     route = make_route(jacobian_backend, prior_precision, s.structured, device)
-    hessian_args = (likelihood, sigma_noise, temperature, s.chunk_size)
-    loader = _streamed_loader(data, s)
-    if loader is not None:
-        source, Z0, lr = _streamed(model, loader, m, init, route, hessian_args, s)
-    else:
-        source, Z0, lr = _in_memory(model, data, m, init, route, hessian_args, s)
-    with step_threads(s.threads, Z0.to(device), model):
-        if objective == "evidence":
-            hyper = (prior_precision, sigma_noise, temperature)
+    reading = read_data(model, data, m, init, s)
+    Z0, lr = reading.initial, reading.lr
+    if objective == "evidence":
+        hyper = (prior_precision, sigma_noise, temperature)
+        with step_threads(s.threads, Z0, model):
             return optimise_evidence(
-                jacobian_backend, data, likelihood, Z0.to(device), lr, hyper,
+                jacobian_backend, data, likelihood, Z0, lr, hyper,
                 learn_hyperparameters, s,
             )  # fmt: skip
-        return _optimise(route, source, Z0.to(device), lr, s)
+    hessian_args = (likelihood, sigma_noise, temperature, s.chunk_size)
+    source = reading.source(model, route, hessian_args, s)
+    with step_threads(s.threads, Z0, model):
+        return _optimise(route, source, Z0, lr, s)
 
 
 @contextmanager
@@ -229,92 +219,6 @@ def step_threads(
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _streamed_loader(data: Data, s: LocationSettings) -> DataLoader | None:
-    """The loader if it is to be streamed (see ``LocationSettings.stream``)."""
-    if not isinstance(data, DataLoader):
-        return None
-    stream = s.stream
-    if stream is None:
-        stream = isinstance(data.dataset, IterableDataset)
-    return data if stream else None
-
-
-def _check_given_init(
-    model: nn.Module, n: int, shape: tuple[int, ...], m: int, init: object
-) -> None:
-    check_init_size(n, shape, m, init)
-    if isinstance(init, torch.Tensor):
-        check_like_model(init, "init", model)
-        check_finite(init, "init")
-        check_same_on_ranks(init, "init")
-
-
-def _in_memory(
-    model: nn.Module,
-    data: Data,
-    m: int,
-    init: str | torch.Tensor,
-    route: Route,
-    hessian_args: tuple,
-    s: LocationSettings,
-) -> tuple[Source, torch.Tensor, float]:
-    """Gather and cache this rank's shard; initial locations and ``lr``."""
-    param = next(model.parameters())
-    X, _ = TrainingData(data, s.chunk_size, "data").gather(in_order=True)
-    check_finite(X, "data")
-    offsets = shard_offsets(X.shape[0], param.device)
-    lo, n = offsets[rank()], offsets[-1]
-    _check_given_init(model, n, tuple(X.shape[1:]), m, init)
-    X = X.to(param.dtype)
-    if X.shape[0]:
-        check_fits_model(X, "data", model)
-    if isinstance(init, torch.Tensor):
-        Z0 = init.detach().clone()
-    else:
-        gen = torch.Generator().manual_seed(s.seed)
-        Z0 = sharded_initial_locations(
-            X, lo, n, m, init, gen, s.max_inputs, param.device
-        )
-    lam = training_hessians(model, X, *hessian_args)
-    budget = get_memory_budget(param.device)
-    cache = TrainingCache(route, X, lam, s.cache_jacobians, s.chunk_size, budget)
-    lr = (
-        s.lr
-        if s.lr is not None
-        else default_lr(torch.split(X, s.chunk_size), param.device)
-    )
-    return InMemorySource(cache, lo, n, s.batch_size, s.seed), Z0, lr
-
-
-def _streamed(
-    model: nn.Module,
-    loader: DataLoader,
-    m: int,
-    init: str | torch.Tensor,
-    route: Route,
-    hessian_args: tuple,
-    s: LocationSettings,
-) -> tuple[Source, torch.Tensor, float]:
-    """One pass over this rank's loader; a source serving its batches."""
-    device = next(model.parameters()).device
-    keep = 0 if isinstance(init, torch.Tensor) else m
-    if init == "kmeans":
-        keep = max(m, s.max_inputs)
-    found = scan(loader, model, keep, s.seed, device)
-    n = int(all_reduce_sum(torch.tensor([found.n], device=device)))
-    shape = feature_shape(found, device)
-    _check_given_init(model, n, shape, m, init)
-    if isinstance(init, torch.Tensor):
-        Z0 = init.detach().clone()
-    else:
-        Z0 = streamed_initial_locations(found, shape, m, init, s.seed, device)
-    lr = s.lr if s.lr is not None else found.lr
-    source = StreamSource(
-        loader, model, route, n, found.n, hessian_args, found.largest_batch
-    )
-    return source, Z0, lr
 
 
 def _optimise(

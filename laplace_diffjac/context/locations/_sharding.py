@@ -7,13 +7,11 @@ group it is the single-process computation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from ...data import all_reduce_sum, max_over_ranks
 
-__all__ = ["Moments", "default_lr", "sync_gradient"]
+__all__ = ["Moments", "sync_gradient"]
 
 _F64 = torch.float64
 
@@ -60,28 +58,6 @@ class Moments:
 
         """
         return _merge_moments(self.n, self.mean, self.m2, device)
-
-
-def default_lr(batches: Iterable[torch.Tensor], device: torch.device) -> float:
-    """``0.05`` times the data set's mean per-feature standard deviation.
-
-    Parameters
-    ----------
-    batches : iterable of torch.Tensor
-        This rank's inputs, ``(b, *input_shape)`` batches (possibly none).
-    device : torch.device
-        Device the process group communicates on.
-
-    Returns
-    -------
-    float
-        The learning rate (``0.05`` when ``N <= 1``).
-
-    """
-    moments = Moments()
-    for xb in batches:
-        moments.add(xb)
-    return moments.default_lr(device)
 
 
 def _merge_moments(

@@ -196,10 +196,10 @@ def test_a_step_nothing_fits_is_refused_before_any_step():
 
 def test_the_step_is_planned_in_what_the_training_cache_leaves(monkeypatch):
     """The cached features stay through the steps: the plan gets the rest."""
-    from laplace_diffjac.context.locations import _optimizer
+    from laplace_diffjac.context.locations import _optimizer, _sources
 
     seen, caches = [], []
-    plan, cache = _optimizer.plan_step, _optimizer.TrainingCache
+    plan, cache = _optimizer.plan_step, _sources.TrainingCache
 
     def spy_plan(sizes, M, batch, chunk, budget):
         seen.append(budget)
@@ -210,7 +210,7 @@ def test_the_step_is_planned_in_what_the_training_cache_leaves(monkeypatch):
         return caches[-1]
 
     monkeypatch.setattr(_optimizer, "plan_step", spy_plan)
-    monkeypatch.setattr(_optimizer, "TrainingCache", spy_cache)
+    monkeypatch.setattr(_sources, "TrainingCache", spy_cache)
     x = torch.randn(12, 1, 8, 8, generator=torch.Generator().manual_seed(2), dtype=F64)
     with laplace_diffjac.memory_budget("64 MiB"):
         optimize_locations(
