@@ -121,7 +121,7 @@ def plan_blocked_gradient(
     for hold in (True, False):
         c = largest_fitting(partial(_fits, needs, budget, hold, 1), batch)
         if c:
-            z = largest_fitting(partial(_blocks_fit, needs, budget, hold, c), M)
+            z = largest_fitting(partial(_fits, needs, budget, hold, c=c), M)
             return BlockedGradientPlan(z, c, hold, int(needs(hold, z, c)))
     raise MemoryBudgetError(
         over_budget(
@@ -139,12 +139,7 @@ def plan_blocked_gradient(
 def _fits(
     needs: Callable[[bool, int, int], float], budget: int, hold: bool, z: int, c: int
 ) -> bool:
-    return needs(hold, z, c) <= budget
-
-
-def _blocks_fit(
-    needs: Callable[[bool, int, int], float], budget: int, hold: bool, c: int, z: int
-) -> bool:
+    """Whether blocks of ``z`` locations and chunks of ``c`` inputs fit."""
     return needs(hold, z, c) <= budget
 
 
