@@ -83,11 +83,28 @@ FUNCTIONS = (
 #: 4-D; six-hump camel, 2-D; Dixon-Price, 4-D): its diagnosis ran on these, so
 #: they are tuning functions now too.
 STALL_FUNCTIONS = ("levy", "six_hump_camel", "dixon_price")
-#: Functions no choice of the package was made on, named before any was run
-#: (Rastrigin, 4-D; three-hump camel, 2-D; Powell, 4-D): their rows are the
-#: held-out report.
-HELD_OUT_FUNCTIONS = ("rastrigin", "three_hump_camel", "powell")
-ALL_FUNCTIONS = FUNCTIONS + STALL_FUNCTIONS + HELD_OUT_FUNCTIONS
+#: Issue #44's tuning half: every default of ``ContextBoTorch`` is chosen on
+#: these ten (the seven above and the three of the diagnosis).
+TUNING_FUNCTIONS = FUNCTIONS + STALL_FUNCTIONS
+#: The held-out half: functions no choice of the package was made on, named
+#: before any of them was run. Rastrigin (4-D), three-hump camel (2-D) and
+#: Powell (4-D) were named on 2026-12-05; Beale, Bukin, drop-wave, Eggholder
+#: and Hölder table (2-D), Shekel (4-D) and Cosine8 (8-D, maximised as BoTorch
+#: defines it) on 2026-12-07, so that the halves are ten and ten. Their rows
+#: are reported apart (``halves.py``) and never used to choose a default.
+HELD_OUT_FUNCTIONS = (
+    "rastrigin",
+    "three_hump_camel",
+    "powell",
+    "beale",
+    "bukin",
+    "drop_wave",
+    "eggholder",
+    "holder_table",
+    "shekel",
+    "cosine8",
+)
+ALL_FUNCTIONS = TUNING_FUNCTIONS + HELD_OUT_FUNCTIONS
 METHODS = (
     "SingleTaskGP",
     "LaplaceBoTorch",
@@ -191,15 +208,22 @@ QUICK = Config(
 def _problem(name: str):
     from botorch.test_functions import (
         Ackley,
+        Beale,
         Branin,
+        Bukin,
+        Cosine8,
         DixonPrice,
+        DropWave,
+        EggHolder,
         Griewank,
         Hartmann,
+        HolderTable,
         Levy,
         Michalewicz,
         Powell,
         Rastrigin,
         Rosenbrock,
+        Shekel,
         SixHumpCamel,
         StyblinskiTang,
         ThreeHumpCamel,
@@ -219,8 +243,20 @@ def _problem(name: str):
         "rastrigin": lambda: Rastrigin(dim=4, negate=True),
         "three_hump_camel": lambda: ThreeHumpCamel(negate=True),
         "powell": lambda: Powell(dim=4, negate=True),
+        "beale": lambda: Beale(negate=True),
+        "bukin": lambda: Bukin(negate=True),
+        "drop_wave": lambda: DropWave(negate=True),
+        "eggholder": lambda: EggHolder(negate=True),
+        "holder_table": lambda: HolderTable(negate=True),
+        "shekel": lambda: Shekel(negate=True),
+        "cosine8": lambda: Cosine8(),  # a maximisation problem already
     }[name]
     return make().to(torch.float64)
+
+
+def problem_dim(name: str) -> int:
+    """The dimension of function ``name``'s input."""
+    return int(_problem(name).dim)
 
 
 def _objective(problem) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -159,14 +159,67 @@ def test_caller_standardised_outcomes_leave_the_regret_in_the_function_units() -
 def test_every_function_the_script_names_is_a_botorch_problem() -> None:
     script = _script()
     names = script.ALL_FUNCTIONS
-    assert len(set(names)) == len(names) == 13
-    assert not set(script.HELD_OUT_FUNCTIONS) & set(
-        script.FUNCTIONS + script.STALL_FUNCTIONS
-    )
+    assert len(set(names)) == len(names) == 20
+    tuning, held_out = script.TUNING_FUNCTIONS, script.HELD_OUT_FUNCTIONS
+    assert len(tuning) == len(held_out) == 10 and not set(tuning) & set(held_out)
+    assert set(script.FUNCTIONS + script.STALL_FUNCTIONS) == set(tuning)
+    dims = {script.problem_dim(name) for name in names}
+    assert min(dims) == 2 and max(dims) == 20
+    gen = torch.Generator().manual_seed(0)
     for name in names:
         problem = script._problem(name)
         assert problem.bounds.shape == (2, problem.dim)
         assert problem.optimal_value is not None
+        # maximised in the unit cube: no point beats the optimum
+        x = torch.rand(256, problem.dim, generator=gen, dtype=torch.float64)
+        values = script._objective(problem)(x)
+        assert (values <= problem.optimal_value + 1e-9).all(), name
+
+
+def _record(function: str, method: str, seed: int, regret: list, **more) -> dict:
+    return {"function": function, "method": method, "seed": seed, "q": 1,
+            "regret": regret, "cpu_s": 1.0, "acq_on_faces": [0.5], **more}  # fmt: skip
+
+
+def test_the_halves_report_applies_the_issues_criterion_per_function(
+    tmp_path: Path,
+) -> None:
+    halves = load_script(ROOT / "benchmarks/bayesopt/halves.py", "bo_halves")
+    laplace = [_record("beale", "LaplaceBoTorch", s, [10.0, 1.0]) for s in (0, 1)]
+    ours = [
+        _record("beale", "ContextBoTorch", 0, [10.0, 1.1], cpu_s=0.1),
+        _record("beale", "ContextBoTorch", 1, [10.0, 1.1], cpu_s=0.3),
+    ]
+    rows = halves.compare([*laplace, *ours], ("beale", "bukin"))
+    beale, bukin = rows
+    assert "ours" not in bukin and bukin["dim"] == 2
+    # log10(1.1) = 0.041 above: within 0.05; time 0.2 of Laplace's, shares equal
+    assert beale["ours"]["log10"] == pytest.approx(0.0414, abs=1e-4)
+    assert beale["time_ratio"] == pytest.approx(0.2) and beale["met"]
+    assert beale["paired"][2] == 2
+    slower = [dict(r, cpu_s=0.5) for r in ours]
+    assert not halves.compare([*laplace, *slower], ("beale",))[0]["met"]
+    worse = [dict(r, regret=[10.0, 1.2]) for r in ours]  # log10 1.2 = 0.079
+    assert not halves.compare([*laplace, *worse], ("beale",))[0]["met"]
+    faces = [dict(r, acq_on_faces=[0.6]) for r in ours]
+    assert not halves.compare([*laplace, *faces], ("beale",))[0]["met"]
+    stalled = [dict(r, regret=[10.0, 10.0, 1.1]) for r in ours]  # improves 1 of 2
+    assert not halves.compare([*laplace, *stalled], ("beale",))[0]["met"]
+    text = "\n".join(halves.table_lines("held-out half, q = 1", rows))
+    assert "| bukin | 2 | not run |" in text
+    assert "Criterion met on 1 of the 1 functions run." in text
+    # the command line, on records in a run's raw/ folder
+    (tmp_path / "run" / "raw").mkdir(parents=True)
+    for r in [*laplace, *ours]:
+        name = f"{r['function']}_{r['method']}_{r['seed']}.json"
+        (tmp_path / "run" / "raw" / name).write_text(json.dumps(r))
+    out = tmp_path / "HALVES.md"
+    halves.main(["--q1", str(tmp_path / "run"), "--out", str(out)])
+    written = out.read_text()
+    assert "### held-out half, q = 1" in written and "| beale | 2 |" in written
+    assert "### tuning half, q = 1" in written and "q = 4" not in written
+    rows = json.loads((tmp_path / "halves.json").read_text())["q1 held-out half"]
+    assert [r["function"] for r in rows] == list(halves.bayesopt.HELD_OUT_FUNCTIONS)
 
 
 def test_paired_log10_difference_is_taken_over_the_seeds_both_ran() -> None:
