@@ -17,6 +17,7 @@ its pass.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -157,8 +158,7 @@ def scan(
 
     """
     moments, n, largest = Moments(), 0, 0
-    kept = torch.empty(0, dtype=_F64)
-    rows: torch.Tensor | None = None
+    sample = _Sample(keep)
     first: torch.Tensor | None = None
     for xb in batches:
         if first is None and xb.shape[0]:
@@ -166,14 +166,57 @@ def scan(
         n += xb.shape[0]
         largest = max(largest, int(xb.shape[0]))
         moments.add(xb)
-        kept = torch.cat([kept, keys(xb.shape[0])])
-        rows = xb.detach().clone() if rows is None else torch.cat([rows, xb.detach()])
-        if kept.numel() > keep:
-            kept, order = torch.topk(kept, keep, largest=False, sorted=False)
-            rows = rows[order.to(rows.device)]
+        sample.offer(keys(xb.shape[0]), xb)
+    kept, rows = sample.smallest()
     if rows is None:
         rows = torch.empty(0, dtype=next(model.parameters()).dtype)
     return Scan(n, moments.default_lr(device), keep, kept, rows, largest, first)
+
+
+class _Sample:
+    """The ``keep`` rows of smallest key seen so far, in amortised linear time.
+
+    Offered rows whose key is below the bound (the largest key of the last
+    compaction's ``keep``) are appended; at ``2 keep`` rows the buffer is cut
+    back to its ``keep`` smallest. Each row is copied a bounded number of times
+    on average, where cutting back at every batch would copy ``keep`` rows per
+    batch (with k-means' ``max_inputs`` rows, quadratic in ``N``). Memory: at
+    most ``2 keep`` rows plus one batch's accepted rows.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.bound = math.inf if keep else -math.inf
+        self.keys: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []
+        self.count = 0
+
+    def offer(self, keys: torch.Tensor, xb: torch.Tensor) -> None:
+        """Take the rows of ``xb`` ``(b, ...)`` whose ``keys`` ``(b,)`` may stay."""
+        take = keys < self.bound
+        if not bool(take.any()):
+            return
+        self.keys.append(keys[take])
+        self.rows.append(xb[take.to(xb.device)].detach().clone())
+        self.count += int(take.sum())
+        if self.count >= 2 * self.keep:
+            self._cut()
+
+    def _cut(self) -> None:
+        keys, rows = torch.cat(self.keys), torch.cat(self.rows)
+        if len(keys) > self.keep:
+            keys, order = torch.topk(keys, self.keep, largest=False, sorted=False)
+            rows = rows[order.to(rows.device)]
+        self.keys, self.rows, self.count = [keys], [rows], len(keys)
+        if len(keys) == self.keep:
+            self.bound = float(keys.max())
+
+    def smallest(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(keys, rows)`` of the at most ``keep`` smallest keys (``None``: none)."""
+        if not self.rows:
+            return torch.empty(0, dtype=_F64), None
+        self._cut()
+        return self.keys[0], self.rows[0]
 
 
 def sampled_initial_locations(
