@@ -539,9 +539,12 @@ def _batched_grad(
 ) -> list[torch.Tensor | None]:
     """Vector-Jacobian products of ``f`` for every seed in ``signals`` at once.
 
-    ``torch.func.vmap`` over ``autograd.grad`` first: it has batching rules for the
-    backward kernels of LayerNorm and softmax, which ``is_grads_batched`` (the
-    legacy vmap prototype) runs seed by seed, leaving a graph of V small pieces
+    One seed (a model with one output, or one output selected) is one
+    ``autograd.grad``: batching it would only add ``vmap``'s per-call overhead.
+    Otherwise ``torch.func.vmap`` over ``autograd.grad`` first: it has batching
+    rules for the backward kernels of LayerNorm and softmax, which
+    ``is_grads_batched`` (the legacy vmap prototype) runs seed by seed, leaving a
+    graph of V small pieces
     that makes the double backward several times slower. Then
     ``is_grads_batched``, then one pass per seed, for graphs (or user hooks) that
     one of them cannot batch.
@@ -556,6 +559,9 @@ def _batched_grad(
     if not outputs:
         return []
     kwargs = {"retain_graph": True, "create_graph": create_graph, "allow_unused": True}
+    if signals.shape[0] == 1:  # one seed (a single output): no batching to do
+        grads = torch.autograd.grad(f, outputs, signals[0], **kwargs)
+        return [None if g is None else g.unsqueeze(0) for g in grads]
     try:
         return _func_vmap_grad(f, outputs, signals, kwargs)
     except (RuntimeError, NotImplementedError, ValueError):
