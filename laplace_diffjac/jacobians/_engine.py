@@ -544,10 +544,9 @@ def _batched_grad(
     Otherwise ``torch.func.vmap`` over ``autograd.grad`` first: it has batching
     rules for the backward kernels of LayerNorm and softmax, which
     ``is_grads_batched`` (the legacy vmap prototype) runs seed by seed, leaving a
-    graph of V small pieces
-    that makes the double backward several times slower. Then
-    ``is_grads_batched``, then one pass per seed, for graphs (or user hooks) that
-    one of them cannot batch.
+    graph of V small pieces that makes the double backward several times slower.
+    Then ``is_grads_batched``, then one pass per seed, for graphs (or user hooks)
+    that one of them cannot batch.
 
     Returns
     -------
