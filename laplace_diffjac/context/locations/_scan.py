@@ -96,16 +96,18 @@ def shard_keys(seed: int, lo: int, n: int) -> KeyStream:
     Returns
     -------
     KeyStream
-        Serves the keys of the shard's inputs in order (``8 N`` bytes are drawn
-        once).
+        Serves the keys of the shard's inputs in order (``8 N`` bytes, drawn at
+        the first call).
 
     """
-    gen = torch.Generator().manual_seed(stream_seed(seed, _KEY_STREAM))
-    every = torch.rand(n, generator=gen, dtype=_F64)
+    every: torch.Tensor | None = None
     cursor = lo
 
     def draw(b: int) -> torch.Tensor:
-        nonlocal cursor
+        nonlocal cursor, every
+        if every is None:
+            gen = torch.Generator().manual_seed(stream_seed(seed, _KEY_STREAM))
+            every = torch.rand(n, generator=gen, dtype=_F64)
         cursor += b
         return every[cursor - b : cursor]
 
@@ -166,7 +168,8 @@ def scan(
         n += xb.shape[0]
         largest = max(largest, int(xb.shape[0]))
         moments.add(xb)
-        sample.offer(keys(xb.shape[0]), xb)
+        if keep:  # given locations: no sample, and no keys to draw
+            sample.offer(keys(xb.shape[0]), xb)
     kept, rows = sample.smallest()
     if rows is None:
         rows = torch.empty(0, dtype=next(model.parameters()).dtype)
