@@ -160,8 +160,9 @@ def optimize_locations(
     draws; a given ``init`` must be equal on every rank (checked by a
     checksum). Early stopping and ``evaluate_full`` use the all-reduced
     objective, so every rank stops at the same step. Streamed, each rank
-    draws from its own loader and the objective is the sum over ranks scaled
-    by ``N / b`` with the global ``N`` and batch size ``b``.
+    draws its keys from its own stream and its batches from its own loader, and
+    the objective is the sum over ranks scaled by ``N / b`` with the global
+    ``N`` and batch size ``b``.
 
     """
     s = resolve_settings(settings, options)
