@@ -272,7 +272,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
             else []
         ),
         "`ContextPosterior.fit` forms `J` today. Where "
-        "`laplace_diffjac.kernels.structured_applies(backend, prior_var)` holds it "
+        "`laplace_diffjac.kernels.factor_route_applies(backend)` holds (a scalar "
+        "prior, every parameter a Linear layer's) it "
         "could compute `fz = structured_features(model, Z)` once and, per batch, "
         "`feature_gram(fz, structured_features(model, xb), prior_var)` for `K_ZX` "
         "(`model(xb)` for `Λ`), `feature_gram(fz, fz, prior_var)` for `K_ZZ` and the "

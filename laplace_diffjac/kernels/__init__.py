@@ -3,14 +3,15 @@
 ``ntk``/``ntk_diag`` build ``J(x1) Σ₀ J(x2)ᵀ`` in laplace-torch's ``(B1, B2, C, C)``
 layout without forming ``J`` wherever they can: from the Jacobian engine's
 per-layer factors for ``DiffBackPackGGN``/``DiffBackPackEF`` over all parameters
-(any module structure the backends take, any prior; ``factor_route_applies``),
-through ``structured_ntk`` for ``nn.Sequential`` chains of Linear layers and
-elementwise activations, and otherwise (``DiffFuncGGN``, last-layer and subnetwork
+(any module structure the backends take, any prior; ``factor_route_applies``) and
+for any backend's ``nn.Sequential`` chain of Linear layers and elementwise
+activations (``structured_ntk``), regrouped by layer where every parameter is a
+Linear layer's; otherwise (other ``DiffFuncGGN`` models, last-layer and subnetwork
 backends, ``structured=False``) from any backend's graph-connected Jacobians.
 ``output_hessians`` gives the GGN likelihood Hessians ``Λₙ``,
 ``jacobians`` a backend's (last-layer aware) Jacobians, ``jittered_cholesky`` and
 ``explained_trace`` the factorisations of a Gram. The feature Grams the location
-optimiser uses are internal (``_structured``, ``_cross_gram``, ``_symmetric_gram``).
+optimiser uses are internal (``_engine_pieces``, ``_cross_gram``, ``_symmetric_gram``).
 """
 
 from ._cholesky import explained_trace, jittered_cholesky

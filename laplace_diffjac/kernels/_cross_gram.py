@@ -19,7 +19,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._products import layer_scale, scaled_gram_sum
-from ._structured_features import NTKFeatures, feature_gram
+from ._structured_features import NTKFeatures, aligned, feature_gram
 
 __all__ = ["cross_feature_gram"]
 
@@ -46,6 +46,7 @@ def cross_feature_gram(
         differentiable once with respect to ``f1``.
 
     """
+    f1, f2 = aligned(f1, f2)
     second = [*f2.inputs, *(g for g in f2.signals if g is not None)]
     if any(t.requires_grad for t in second) or (
         isinstance(factor, torch.Tensor) and factor.requires_grad

@@ -8,16 +8,19 @@ Two routes compute it:
 * the general route asks a backend (any of :mod:`laplace_diffjac.backends`) for
   per-sample Jacobians block by block, so at most ``chunk_size`` Jacobians of each
   input live at once while the Gram is built;
-* the structured routes never form ``J``: for ``nn.Sequential`` chains of Linear
-  layers and elementwise activations with a scalar prior,
-  :func:`laplace_diffjac.kernels.structured_ntk`; for every other model of the
-  BackPACK backends (``DiffBackPackGGN``, ``DiffBackPackEF``: classes, residual
-  and shared layers, convolutions, norms, embeddings, attention, recurrent layers,
-  dict inputs) the engine's per-layer factors, contracted layer by layer
-  (:mod:`._factor_gram`), with scalar, per-layer or per-parameter priors. Both
-  are used automatically when the backend takes all parameters (no last-layer or
-  subnetwork restriction) and ``structured`` is not ``False``;
-  ``DiffFuncGGN``, last-layer and subnetwork backends use the general route.
+* the structured route never forms ``J``: the Jacobian engine's per-layer
+  factors (:mod:`._engine_pieces`), for every model of the BackPACK backends
+  (``DiffBackPackGGN``, ``DiffBackPackEF``: classes, residual and shared layers,
+  convolutions, norms, embeddings, attention, recurrent layers, dict inputs) and
+  for any backend's ``nn.Sequential`` chain of Linear layers and elementwise
+  activations. Where every parameter is a Linear layer's and the prior a
+  scalar, the factors are regrouped by layer and contracted as features
+  (``B1 B2 (width_in + C² width_out)`` per layer); otherwise parameter by
+  parameter (:mod:`._factor_gram`), with scalar, per-layer or per-parameter
+  priors. It is used automatically when the backend takes all parameters (no
+  last-layer or subnetwork restriction) and ``structured`` is not ``False``;
+  other ``DiffFuncGGN`` models, last-layer and subnetwork backends use the
+  general route.
 
 Both routes are differentiable with respect to ``x1``, ``x2`` and the parameters
 whenever gradients are enabled.
@@ -26,13 +29,12 @@ whenever gradients are enabled.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Any, Union
 
 import torch
 
 from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN, JacobianBackend
 from ..budget import get_memory_budget
-from ..jacobians._engine import JacobianFactors
 from ._budgeted import (
     Costs,
     Route,
@@ -43,8 +45,13 @@ from ._budgeted import (
 )
 from ._chunked_gram import budgeted_diagonal, budgeted_gram
 from ._column_blocks import jacobian_diagonal, jacobian_gram
-from ._factor_gram import factor_gram
-from ._structured import structured_ntk, supports_structured_ntk
+from ._engine_pieces import (
+    EnginePieces,
+    engine_pieces,
+    factor_route_applies,
+    pieces_diag,
+    pieces_gram,
+)
 
 PriorPrecision = Union[float, torch.Tensor]
 
@@ -57,7 +64,6 @@ __all__ = [
     "ntk",
     "ntk_diag",
     "prior_variance",
-    "structured_applies",
 ]
 
 
@@ -194,87 +200,26 @@ def _jacobian_fn(backend: JacobianBackend) -> Callable[[torch.Tensor], torch.Ten
     return lambda x: jacobians(backend, x)
 
 
-def structured_applies(backend: JacobianBackend, prior_var: torch.Tensor) -> bool:
-    """Whether the structured route computes this backend's prior-scaled Gram.
+def _pieces_of(
+    backend: JacobianBackend, prior_var: torch.Tensor | None, dtype: torch.dtype | None
+) -> Callable[[Any], EnginePieces]:
+    """A batch's engine pieces in ``dtype``, with a graph while gradients are on.
 
-    Parameters
-    ----------
-    backend : JacobianBackend
-        The backend whose Jacobians the Gram would contract.
-    prior_var : torch.Tensor
-        Prior variance from :func:`prior_variance`, ``()`` or ``(P,)``.
+    Linear layers' factors are regrouped into features for a scalar
+    ``prior_var``; ``None`` keeps the factors.
 
     Returns
     -------
-    bool
-        ``True`` for a scalar prior, a backend that is neither last-layer nor
-        subnetwork, and a model for which
-        :func:`laplace_diffjac.kernels.supports_structured_ntk` holds with the
-        backend's parameters.
-
+    callable
+        ``x ->`` its pieces.
     """
-    if prior_var.dim() != 0:
-        return False
-    if getattr(backend, "last_layer", False):
-        return False
-    if getattr(backend, "subnetwork_indices", None) is not None:
-        return False
-    return supports_structured_ntk(backend.model, list(backend.params))
+    regroup = prior_var is not None and prior_var.dim() == 0
 
+    def pieces(x: Any) -> EnginePieces:
+        graph = torch.is_grad_enabled()
+        return engine_pieces(backend, x, graph, regroup, dtype)
 
-@runtime_checkable
-class _FactorBackend(Protocol):
-    """A backend that hands out the per-layer factors of its Jacobians."""
-
-    def jacobian_factors(self, x: Any, enable_backprop: bool = False) -> Any: ...
-
-
-def factor_route_applies(backend: JacobianBackend) -> bool:
-    """Whether :func:`ntk` can contract this backend's per-layer factors.
-
-    Parameters
-    ----------
-    backend : JacobianBackend
-        The backend whose Jacobians the Gram would contract.
-
-    Returns
-    -------
-    bool
-        ``True`` for ``DiffBackPackGGN`` and ``DiffBackPackEF`` over all their
-        parameters (neither last-layer nor subnetwork), with any prior.
-
-    """
-    if not isinstance(backend, _FactorBackend):
-        return False
-    if getattr(backend, "last_layer", False):
-        return False
-    return getattr(backend, "subnetwork_indices", None) is None
-
-
-def _factors_of(
-    backend: JacobianBackend, dtype: torch.dtype | None
-) -> Callable[[torch.Tensor], JacobianFactors]:
-    def factors(x: torch.Tensor) -> JacobianFactors:
-        enable = torch.is_grad_enabled()
-        parts = backend.jacobian_factors(x, enable_backprop=enable)  # type: ignore[attr-defined]
-        return parts if dtype is None else parts.to(dtype)
-
-    return factors
-
-
-def _structured_route(
-    backend: JacobianBackend, prior_var: torch.Tensor
-) -> Callable | None:
-    """``structured_ntk`` when it applies, else ``None``."""
-    if not structured_applies(backend, prior_var):
-        return None
-    model = backend.model
-    precision = prior_var.reciprocal()
-
-    def block(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        return structured_ntk(model, x1, x2, precision)
-
-    return block
+    return pieces
 
 
 def ntk(
@@ -345,16 +290,15 @@ def ntk(
             (), device=_param_device(backend), dtype=dtype or _param_dtype(backend)
         ),
     )
-    route = None if structured is False else _structured_route(backend, prior_var)
     use_factors = structured is not False and factor_route_applies(backend)
-    if structured and route is None and not use_factors:
+    if structured and not use_factors:
         raise ValueError(
             "The structured NTK route does not apply here: it needs DiffBackPackGGN "
             "or DiffBackPackEF over all parameters (not last-layer or subnetwork), "
             "or an nn.Sequential chain of Linear layers and elementwise activations "
             "with a scalar prior. Pass structured=None to fall back to Jacobians."
         )
-    features = _budget_route(backend, use_factors, dtype)
+    features = _budget_route(backend, use_factors, dtype, prior_var=prior_var)
     grad = _gradient_possible(features, prior_var, x1, x2)
     device = _param_device(backend)
     plan = plan_gram(
@@ -370,8 +314,6 @@ def ntk(
         return budgeted_gram(
             features, plan, x1, None if symmetric else x2, prior_var, grad
         )
-    if route is not None:
-        return _blocks(x1, x2, chunk_size, route, dtype)
     if use_factors:
         return _factor_blocks(backend, x1, x2, symmetric, chunk_size, prior_var, dtype)
     jac = _jacobian_fn(backend)
@@ -436,7 +378,7 @@ def ntk_diag(
         ),
     )
     use_factors = factor_route_applies(backend)
-    features = _budget_route(backend, use_factors, dtype)
+    features = _budget_route(backend, use_factors, dtype, prior_var=prior_var)
     grad = _gradient_possible(features, prior_var, x)
     device = _param_device(backend)
     plan = plan_diagonal(
@@ -450,11 +392,10 @@ def ntk_diag(
     if plan.chunked:
         return budgeted_diagonal(features, plan, x, prior_var, grad)
     if use_factors:
-        factors = _factors_of(backend, dtype)
+        pieces = _pieces_of(backend, prior_var, dtype)
         params = list(backend.params)
         parts = [
-            factor_gram(factors(xc), None, params, prior_var)
-            for xc in _chunks(x, chunk_size)
+            pieces_diag(pieces(xc), params, prior_var) for xc in _chunks(x, chunk_size)
         ]
         diag = _cat(parts, dim=0)
         return diag if dtype is None else diag.to(dtype)
@@ -472,21 +413,6 @@ def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
 
 
-def _blocks(
-    x1: torch.Tensor,
-    x2: torch.Tensor,
-    chunk_size: int,
-    block: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    dtype: torch.dtype | None,
-) -> torch.Tensor:
-    rows = []
-    for x1c in _chunks(x1, chunk_size):
-        cols = [block(x1c, x2c) for x2c in _chunks(x2, chunk_size)]
-        row = _cat(cols, dim=1)
-        rows.append(row if dtype is None else row.to(dtype))
-    return _cat(rows, dim=0)
-
-
 def _factor_blocks(
     backend: JacobianBackend,
     x1: torch.Tensor,
@@ -496,14 +422,14 @@ def _factor_blocks(
     prior_var: torch.Tensor,
     dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """:func:`ntk` from per-layer factors, each chunk's factors computed once."""
-    factors = _factors_of(backend, dtype)
+    """:func:`ntk` from the engine's pieces, each chunk's computed once."""
+    pieces = _pieces_of(backend, prior_var, dtype)
     params = list(backend.params)
-    left = [factors(c) for c in _chunks(x1, chunk_size)]
-    right = left if symmetric else [factors(c) for c in _chunks(x2, chunk_size)]
+    left = [pieces(c) for c in _chunks(x1, chunk_size)]
+    right = left if symmetric else [pieces(c) for c in _chunks(x2, chunk_size)]
     rows = []
     for f1 in left:
-        row = _cat([factor_gram(f1, f2, params, prior_var) for f2 in right], 1)
+        row = _cat([pieces_gram(f1, f2, params, prior_var) for f2 in right], 1)
         rows.append(row if dtype is None else row.to(dtype))
     return _cat(rows, dim=0)
 
@@ -543,9 +469,13 @@ def _budget_route(
     use_factors: bool,
     dtype: torch.dtype | None,
     contract_dtype: torch.dtype | None = None,
+    prior_var: torch.Tensor | None = None,
 ) -> Route:
-    """The features the memory budget chunks: per-layer factors, or Jacobians.
+    """The features the memory budget chunks: the engine's pieces, or Jacobians.
 
+    The engine's pieces are Linear features for a scalar ``prior_var`` where the
+    model's parameters are all Linear layers', else per-layer factors (always
+    for ``prior_var=None``, as :func:`.feature_sizes` counts them).
     Features are made in ``dtype`` (the model's for ``None``); a pair widens
     them to ``contract_dtype`` for its own duration when one is given (the
     location optimiser holds its pieces in the model's dtype and contracts them
@@ -562,16 +492,17 @@ def _budget_route(
         return f if contract_dtype is None or f is None else f.to(contract_dtype)
 
     if use_factors:
-        factors = _factors_of(backend, dtype)
 
         def factor_pair(
-            f1: JacobianFactors, f2: JacobianFactors | None, var: torch.Tensor
+            f1: EnginePieces, f2: EnginePieces | None, var: torch.Tensor
         ) -> torch.Tensor:
             w1 = widened(f1)
-            return factor_gram(w1, w1 if f2 is f1 else widened(f2), params, var)
+            if f2 is None:
+                return pieces_diag(w1, params, var)
+            return pieces_gram(w1, w1 if f2 is f1 else widened(f2), params, var)
 
         return Route(
-            features=factors,
+            features=_pieces_of(backend, prior_var, dtype),
             pair=factor_pair,
             tensors=lambda f: f.float_tensors(),
             rebuild=lambda f, tensors: f.with_tensors(tensors),

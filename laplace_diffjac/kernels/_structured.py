@@ -1,4 +1,4 @@
-"""The NTK Gram of Linear/activation chains without forming the Jacobians.
+"""The NTK Gram of a model's Linear layers without forming the Jacobians.
 
 For ``nn.Sequential`` chains of ``Linear`` layers and elementwise activations, the
 Jacobian of output ``c`` with respect to the weight of layer ``l`` is the outer
@@ -10,8 +10,11 @@ Hence (Novak et al. 2022, "Fast finite width neural tangent kernel")
 
 which costs ``B1·B2·(width_in + C²·width_out)`` per layer instead of
 ``B1·B2·C²·P``, and needs memory ``B1·B2·C²`` plus the activations, never
-``B·C·P``. Everything is ordinary autograd, so the result is differentiable with
-respect to both inputs and the parameters.
+``B·C·P``. The ``a_{l-1}`` and ``g_l`` are the Jacobian engine's per-layer
+factors (:func:`laplace_diffjac.jacobians._engine.jacobian_factors`, regrouped
+by :func:`._structured_features.chain_features`): the engine is the package's one
+walker of a model. Everything is ordinary autograd, so the result is
+differentiable with respect to both inputs and the parameters.
 """
 
 from __future__ import annotations
@@ -21,8 +24,20 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ._activations import ACTIVATIONS
-from ._structured_features import NTKFeatures, feature_gram, ntk_features
+from ..jacobians._engine import jacobian_factors
+from ._structured_features import NTKFeatures, chain_features, feature_gram
+
+#: Elementwise activations a chain may hold (the engine differentiates them).
+ACTIVATIONS = (
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.ReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Softplus,
+    nn.ELU,
+    nn.LeakyReLU,
+)
 
 #: Modules that leave a batch of feature vectors unchanged.
 _PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Dropout)
@@ -178,9 +193,18 @@ def structured_features(model: nn.Module, x: torch.Tensor) -> NTKFeatures:
 
     """
     check_structured(model)
-    layers = _flat_layers(model)
-    assert layers is not None
-    return ntk_features(layers, x, {id(p) for p in _default_params(model)})
+    params = _default_params(model)
+    factors = jacobian_factors(
+        model, x, params, enable_backprop=torch.is_grad_enabled()
+    )
+    features = chain_features(factors, params)
+    if features is None:
+        raise ValueError(
+            "structured_ntk needs (batch, features) inputs to every Linear layer; "
+            f"got inputs of shape {tuple(x.shape)}. Add nn.Flatten() or use "
+            "laplace_diffjac.kernels.ntk."
+        )
+    return features
 
 
 __all__ = [

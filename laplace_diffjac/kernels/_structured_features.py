@@ -1,16 +1,22 @@
-"""Per-side pieces of the structured NTK, so each side is computed (and cached) once.
+"""Per-side pieces of the NTK of Linear layers, each side computed (and cached) once.
 
-For a chain of ``Linear`` layers and elementwise activations the Jacobian of
-output ``c`` with respect to layer ``l``'s weight is ``g_l[c] ⊗ a_{l-1}``, so
+Where every parameter of the Jacobian belongs to a ``Linear``-like layer applied
+once to one feature vector per input (a weight's Jacobian for output ``c`` is the
+outer product ``g_l[c] ⊗ a_{l-1}``, its bias's is ``g_l[c]``),
 
     J(x1) J(x2)ᵀ = Σ_l (a_{l-1}(x1)·a_{l-1}(x2) + 1[bias]) · g_l(x1) g_l(x2)ᵀ.
 
 :class:`NTKFeatures` holds, for one batch, the layer inputs ``a_{l-1}`` and the
-output signals ``g_l`` of every Linear layer with a parameter in the Jacobian.
-They depend on one side only: a caller that pairs many location batches with the
-same training inputs computes the training side once (:func:`ntk_features`)
-and reuses it; :func:`feature_gram` and :func:`feature_diag` contract two sides
-or one side with itself. Everything is ordinary autograd.
+output signals ``g_l`` of every such layer. They are the Jacobian engine's
+per-layer factors (:func:`laplace_diffjac.jacobians._engine.jacobian_factors`)
+regrouped by layer (:func:`chain_features`), a weight and its bias sharing one
+signal, whatever the model's module structure: one walker of the model, the
+engine's. They depend on one side only: a caller that pairs many location
+batches with the same training inputs computes the training side once and
+reuses it; :func:`feature_gram` and :func:`feature_diag` contract two sides or
+one side with itself, and the location optimiser's Functions
+(:mod:`._cross_gram`, :mod:`._symmetric_gram`) do so with a cheaper backward
+pass than autograd's through the engine's general factor Gram.
 """
 
 from __future__ import annotations
@@ -19,12 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-from ._activations import ACTIVATIONS
+from ..jacobians._assembly import Product, Summed
+from ..jacobians._engine import JacobianFactors
 
-__all__ = ["NTKFeatures", "feature_diag", "feature_gram", "ntk_features"]
+__all__ = ["NTKFeatures", "aligned", "chain_features", "feature_diag", "feature_gram"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,9 @@ class NTKFeatures:
         Per contributing Linear layer, its input ``(B, width_in)``.
     signals : tuple of (torch.Tensor or None)
         Per contributing Linear layer, ``∂f/∂(layer output)`` ``(B, C, width_out)``,
-        or ``None`` for the last layer (the identity).
+        or ``None`` where it is the identity (a last layer that is the output).
+        Two batches of one model may differ here (constant signals that equal the
+        identity in one batch only): :func:`aligned` makes them agree.
     weight, bias : tuple of bool
         Per contributing Linear layer, whether its weight / bias is in the Jacobian.
     n_outputs : int
@@ -76,6 +83,27 @@ class NTKFeatures:
         """The features without graph."""
         return self._map(torch.Tensor.detach)
 
+    def float_tensors(self) -> list[torch.Tensor]:
+        """The tensors, in the order :meth:`with_tensors` takes them."""
+        return [*self.inputs, *(g for g in self.signals if g is not None)]
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> NTKFeatures:
+        """The same features made of ``tensors`` (as :meth:`float_tensors` lists)."""
+        supply = iter(tensors)
+        inputs = tuple(next(supply) for _ in self.inputs)
+        signals = tuple(None if g is None else next(supply) for g in self.signals)
+        return NTKFeatures(inputs, signals, self.weight, self.bias, self.n_outputs)
+
+    def signal(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s signals ``(B, C, width_out)``, the identity written out."""
+        g = self.signals[i]
+        if g is not None:
+            return g
+        like = self.inputs[i]
+        c = self.n_outputs
+        eye = torch.eye(c, dtype=like.dtype, device=like.device)
+        return eye.expand(len(self), c, c)
+
     @staticmethod
     def cat(parts: Sequence[NTKFeatures]) -> NTKFeatures:
         """Concatenate the features of consecutive batches of the same model."""
@@ -84,65 +112,135 @@ class NTKFeatures:
             torch.cat([p.inputs[i] for p in parts]) for i in range(len(first.inputs))
         )
         signals = tuple(
-            None if g is None else torch.cat([_signal(p, i) for p in parts])
-            for i, g in enumerate(first.signals)
+            None
+            if all(p.signals[i] is None for p in parts)
+            else torch.cat([p.signal(i) for p in parts])
+            for i in range(len(first.signals))
         )
         return NTKFeatures(inputs, signals, first.weight, first.bias, first.n_outputs)
 
 
-def _signal(f: NTKFeatures, i: int) -> torch.Tensor:
-    g = f.signals[i]
-    assert g is not None
-    return g
-
-
-def ntk_features(
-    layers: Sequence[nn.Module], x: torch.Tensor, wanted: set[int]
-) -> NTKFeatures:
-    """Forward pass recording what the structured Gram needs of one side.
-
-    Parameters
-    ----------
-    layers : sequence of torch.nn.Module
-        The model's leaves in call order (Linear, elementwise activations from
-        :data:`laplace_diffjac.kernels.ACTIVATIONS`, Identity, Flatten, eval
-        Dropout); checked by the caller.
-    x : torch.Tensor
-        ``(B, *input_shape)``.
-    wanted : set of int
-        ``id`` of the parameters in the Jacobian (at least one).
+def aligned(f1: NTKFeatures, f2: NTKFeatures) -> tuple[NTKFeatures, NTKFeatures]:
+    """The two batches' features with the identity written out where only one has it.
 
     Returns
     -------
-    NTKFeatures
-        Differentiable with respect to ``x`` and the parameters.
+    tuple of NTKFeatures
+        ``f1`` and ``f2``, each layer's signals ``None`` in both or in neither.
+    """
+    mixed = [
+        i for i, (g1, g2) in enumerate(zip(f1.signals, f2.signals))
+        if (g1 is None) != (g2 is None)
+    ]  # fmt: skip
+    if not mixed:
+        return f1, f2
 
-    Raises
-    ------
-    ValueError
-        If a ``Linear`` layer receives a non-2-D input, the output is not 2-D, or
-        no parameter is wanted.
+    def written(f: NTKFeatures) -> NTKFeatures:
+        signals = tuple(
+            f.signal(i) if i in mixed else g for i, g in enumerate(f.signals)
+        )
+        return NTKFeatures(f.inputs, signals, f.weight, f.bias, f.n_outputs)
+
+    return written(f1), written(f2)
+
+
+def chain_features(
+    factors: JacobianFactors, params: Sequence[torch.Tensor]
+) -> NTKFeatures | None:
+    """The engine's factors regrouped by layer, if every block is a Linear layer's.
+
+    Parameters
+    ----------
+    factors : JacobianFactors
+        One batch's factors straight from the engine (before any cast, index or
+        concatenation: a weight and its bias are recognised as one layer by
+        sharing the same signal view).
+    params : sequence of torch.Tensor
+        The Jacobian's parameters, in column order (the layers follow it).
+
+    Returns
+    -------
+    NTKFeatures or None
+        ``None`` unless every parameter with Jacobian columns has exactly one
+        entry, a one-position ``Product`` (a weight applied to one feature
+        vector per input) or ``Summed`` (a bias): parameters shared between
+        calls, tokens, positions, convolutions, embeddings and dense blocks take
+        the general factor Gram. Constant identity signals (a last layer that is
+        the output) are marked ``None``, so their Gram is the identity, never a
+        product. Differentiable as the factors are.
 
     """
-    trace = _forward_trace(layers, x)
-    out = trace[-1]
-    inputs: list[torch.Tensor] = []
-    signals: list[torch.Tensor | None] = []
-    weight: list[bool] = []
-    bias: list[bool] = []
-    for linear, a, g in _output_signals(trace):
-        has_w = id(linear.weight) in wanted
-        has_b = linear.bias is not None and id(linear.bias) in wanted
-        if has_w or has_b:
-            inputs.append(a)
-            signals.append(g)
-            weight.append(has_w)
-            bias.append(has_b)
-    if not inputs:
-        raise ValueError("No parameter of the model is in the Jacobian.")
+    layers: list[_Layer] = []
+    by_signal: dict[tuple, _Layer] = {}
+    for p in params:
+        entries = factors.factors.get(id(p), [])
+        if not entries:
+            continue
+        if len(entries) != 1:
+            return None
+        entry = entries[0]
+        if isinstance(entry, Product) and entry.g.shape[3] == 1:
+            signal = entry.g[..., 0]  # (B, V, out)
+        elif isinstance(entry, Summed) and entry.g.shape[3] == 1:
+            signal = entry.g[..., 0].transpose(0, 1)
+        else:
+            return None
+        is_weight = isinstance(entry, Product)
+        key = _view_key(signal)
+        layer = by_signal.get(key)
+        if layer is None or (layer.weight if is_weight else layer.bias):
+            layer = by_signal[key] = _Layer(signal)
+            layers.append(layer)
+        if is_weight:
+            assert isinstance(entry, Product)
+            layer.weight, layer.input = True, entry.a[:, 0]
+        else:
+            layer.bias = True
+    if not layers:
+        return None
+    batch = factors.batch
     return NTKFeatures(
-        tuple(inputs), tuple(signals), tuple(weight), tuple(bias), out.shape[1]
+        tuple(
+            layer.signal.new_zeros(batch, 0) if layer.input is None else layer.input
+            for layer in layers
+        ),
+        tuple(None if _is_identity(layer.signal) else layer.signal for layer in layers),
+        tuple(layer.weight for layer in layers),
+        tuple(layer.bias for layer in layers),
+        factors.n_rows,
     )
+
+
+class _Layer:
+    """One layer's pieces while :func:`chain_features` gathers them."""
+
+    def __init__(self, signal: torch.Tensor) -> None:
+        self.signal = signal  # (B, V, out)
+        self.input: torch.Tensor | None = None  # (B, in), for a weight
+        self.weight = False
+        self.bias = False
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    """What makes two views the same numbers: memory, geometry, type."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _is_identity(signal: torch.Tensor) -> bool:
+    """Whether constant signals ``(B, V, V)`` are the identity for every input.
+
+    A layer whose output is the model's output gets the engine's seeds, the
+    identity, which does not depend on the input; its signal Gram is then the
+    identity and needs no product (one comparison of ``B V²`` numbers).
+
+    Returns
+    -------
+    bool
+    """
+    if signal.requires_grad or signal.shape[1] != signal.shape[2]:
+        return False
+    eye = torch.eye(signal.shape[1], dtype=signal.dtype, device=signal.device)
+    return bool((signal == eye).all())
 
 
 def _input_scale(
@@ -179,6 +277,7 @@ def feature_gram(
         ``[a C + c, b C + e] = factor · J_c(x1_a) J_e(x2_b)ᵀ``.
 
     """
+    f1, f2 = aligned(f1, f2)
     n1, n2, c = len(f1), len(f2), f1.n_outputs
     kernel = None
     identity = None
@@ -228,83 +327,3 @@ def feature_diag(f: NTKFeatures, factor: float | torch.Tensor = 1.0) -> torch.Te
         blocks = block if blocks is None else blocks + block
     assert blocks is not None
     return blocks
-
-
-def _forward_trace(layers: Sequence[nn.Module], x: torch.Tensor) -> list:
-    """Run the chain and record what the output signals need.
-
-    Returns ``[op, ..., output]`` with ``op`` either ``('linear', module, input)``
-    or ``('scale', derivative (B, width))``.
-
-    Returns
-    -------
-    list
-        The recorded operations followed by the output.
-
-    Raises
-    ------
-    ValueError
-        If a Linear layer gets an input that is not ``(batch, features)``.
-
-    """
-    ops: list = []
-    h = x
-    for m in layers:
-        if type(m) is nn.Linear:
-            if h.dim() != 2:
-                raise ValueError(
-                    "structured_ntk needs (batch, features) inputs to every Linear "
-                    f"layer; got {tuple(h.shape)}. Add nn.Flatten() or use "
-                    "laplace_diffjac.kernels.ntk."
-                )
-            ops.append(("linear", m, h))
-            h = F.linear(h, m.weight, m.bias)
-        elif type(m) in ACTIVATIONS:
-            z = h
-            a = m(z.clone() if getattr(m, "inplace", False) else z)
-            ops.append(("scale", ACTIVATIONS[type(m)](m, z, a)))
-            h = a
-        elif type(m) is nn.Flatten:
-            h = h.flatten(start_dim=1)
-        # Identity and eval-mode Dropout: nothing to do.
-    if h.dim() != 2:
-        raise ValueError(f"structured_ntk needs (batch, C) outputs, got {h.shape}.")
-    ops.append(h)
-    return ops
-
-
-def _output_signals(
-    trace: list,
-) -> list[tuple[nn.Linear, torch.Tensor, torch.Tensor | None]]:
-    """Backpropagate the identity on the output to every Linear layer's output.
-
-    Returns ``(linear, input (B, in), g (B, C, out) or None for identity)`` per
-    Linear layer, in forward order.
-
-    Returns
-    -------
-    list of tuple
-        One entry per Linear layer, in forward order.
-
-    """
-    g: torch.Tensor | None = None
-    result = []
-    remaining = sum(1 for op in trace[:-1] if op[0] == "linear")
-    for op in reversed(trace[:-1]):
-        if remaining == 0:
-            break
-        if op[0] == "scale":
-            d = op[1]
-            g = torch.diag_embed(d) if g is None else g * d[:, None, :]
-        else:
-            linear, a = op[1], op[2]
-            result.append((linear, a, g))
-            remaining -= 1
-            if remaining == 0:
-                break
-            weight = linear.weight
-            if g is None:
-                g = weight.expand(a.shape[0], *weight.shape)
-            else:
-                g = g @ weight
-    return result[::-1]

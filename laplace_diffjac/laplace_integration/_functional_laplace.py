@@ -45,6 +45,7 @@ from ..data import Data, SizedLoader, TrainingData
 from ..jacobians._engine import JacobianFactors
 from ..jacobians._factor_products import factor_jvp
 from ..kernels import factor_route_applies, ntk, ntk_diag, output_hessians
+from ..kernels._engine_pieces import engine_factors
 from ..kernels._factor_gram import factor_gram
 from ..kernels._feature_sizes import feature_sizes
 from ._compat import LAPLACE_VERSION
@@ -397,10 +398,10 @@ class LocationFunctionalLaplace(FunctionalLaplace):
         if not self._fits_whole(X, len(self.locations), self.enable_backprop, joint):
             return self._budgeted_predictive(X, joint)
         with torch.enable_grad():  # as laplace-torch 0.3's decorator
-            factors = backend.jacobian_factors(X, enable_backprop=self.enable_backprop)
+            factors = engine_factors(backend, X, self.enable_backprop)
             if self._location_factors is None:  # not held by a budgeted fit
-                self._location_factors = backend.jacobian_factors(
-                    self.locations.to(self._device), enable_backprop=False
+                self._location_factors = engine_factors(
+                    backend, self.locations.to(self._device), False
                 )
             located = self._location_factors
             params = list(backend.params)
@@ -669,14 +670,14 @@ def _location_parts(
         ``(f, shift, factors or None)``, detached.
     """
     if whole:
-        factors = backend.jacobian_factors(Z, enable_backprop=False)
+        factors = engine_factors(backend, Z, False)
         shift = factor_jvp(factors, params, offset).detach()
         return factors.f.detach(), shift, factors
     sizes = feature_sizes(backend, Z, True)
     chunk = max(1, int(get_memory_budget(Z.device) // (2 * sizes.transient)))
     outputs, shifts = [], []
     for part in Z.split(chunk):
-        factors = backend.jacobian_factors(part, enable_backprop=False)
+        factors = engine_factors(backend, part, False)
         outputs.append(factors.f.detach())
         shifts.append(factor_jvp(factors, params, offset).detach())
         del factors

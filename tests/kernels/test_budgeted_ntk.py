@@ -37,7 +37,9 @@ TINY = 12_000
 def _smallest_budget(backend, x, sizes, symmetric, prior_var, grad=True):
     """The smallest budget (within 25 %) at which ``ntk`` and ``ntk_diag`` of
     ``x`` run, and the Gram's plan there: one or two inputs per chunk."""
-    route = _budget_route(backend, factor_route_applies(backend), None)
+    route = _budget_route(
+        backend, factor_route_applies(backend), None, prior_var=prior_var
+    )
     costs = probe(route, x, prior_var)
     budget = 256
     while True:

@@ -145,19 +145,31 @@ def test_structured_required_but_not_applicable():
     from laplace_diffjac import DiffFuncGGN
     from tests.conftest import CASES
 
-    case = CASES[2]  # a CNN: no structured route
+    case = CASES[2]  # a CNN on DiffFuncGGN: no route without J
     backend = DiffFuncGGN(case.model(), "regression")
     with pytest.raises(ValueError, match="structured"):
         ntk(backend, case.inputs(2), structured=True)
-    mlp = CASES[0]
-    with pytest.raises(ValueError, match="structured"):  # per-parameter prior
-        n_params = sum(p.numel() for p in mlp.model().parameters())
-        ntk(
-            DiffFuncGGN(mlp.model(), "regression"),
-            mlp.inputs(2),
-            prior_precision=torch.ones(n_params),
-            structured=True,
-        )
+
+
+def test_any_backends_chain_takes_the_engine_with_any_prior():
+    """An ``nn.Sequential`` chain on ``DiffFuncGGN`` goes through the engine's
+    factors (never ``J``), also with a per-parameter prior, where the features'
+    scalar-prior Grams do not apply."""
+    from laplace_diffjac import DiffFuncGGN
+    from tests.conftest import CASES
+
+    mlp = CASES[1]
+    model = mlp.model()
+    backend = DiffFuncGGN(model, "regression")
+    n_params = sum(p.numel() for p in model.parameters())
+    prec = torch.linspace(0.5, 2.0, n_params, dtype=torch.float64)
+    x1, x2 = mlp.inputs(3, 1), mlp.inputs(2, 2)
+    K = ntk(backend, x1, x2, prior_precision=prec, structured=True)
+    torch.testing.assert_close(K, _reference_ntk(model, x1, x2, 1 / prec))
+    D = ntk_diag(backend, x1, prior_precision=prec)
+    torch.testing.assert_close(
+        D, _reference_ntk(model, x1, x1, 1 / prec).diagonal(0, 0, 1).permute(2, 0, 1)
+    )
 
 
 def test_ntk_leaves_model_untouched(case, backend_cls):

@@ -129,7 +129,7 @@ def test_bad_shapes_and_prior() -> None:
     with pytest.raises(ValueError):
         structured_ntk(model, _inputs(2, 1), prior_precision=torch.ones(3))
     no_flatten = nn.Sequential(nn.Linear(4, 3))
-    with pytest.raises(ValueError, match="features"):
+    with pytest.raises(ValueError, match="Flatten"):
         structured_ntk(no_flatten, torch.randn(2, 5, 4))
 
 

@@ -23,7 +23,7 @@ class RecomputedPieces(Sequence[Pieces]):
 
     Parameters
     ----------
-    route : StructuredRoute, FactorRoute or JacobianRoute
+    route : FactorRoute or JacobianRoute
         How pieces are computed.
     chunks : sequence of torch.Tensor
         The inputs of each chunk, ``(b_k, *input_shape)`` on the model's device.

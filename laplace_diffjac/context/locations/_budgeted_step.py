@@ -325,7 +325,7 @@ def budgeted_gap(
 
     Parameters
     ----------
-    route : StructuredRoute, FactorRoute or JacobianRoute
+    route : FactorRoute or JacobianRoute
         How pieces are computed and contracted.
     plan : StepPlan
         From :func:`plan_step`.

@@ -48,7 +48,7 @@ def batch_gap(
 
     Parameters
     ----------
-    route : StructuredRoute, FactorRoute or JacobianRoute
+    route : FactorRoute or JacobianRoute
         How pieces are contracted.
     z_pieces : NTKFeatures or torch.Tensor
         The locations' pieces (with graph for a gradient in ``Z``).

@@ -1,17 +1,20 @@
-"""Two ways to get the objective's Grams: per-layer features or Jacobians.
+"""Two ways to get the objective's Grams: the engine's pieces or Jacobians.
 
 A route turns inputs into *pieces* (one side's share of the kernel) and contracts
 two sides' pieces into a Gram. The training side's pieces do not depend on the
 locations, so the optimiser computes them once and reuses them at every step:
 
-* :class:`StructuredRoute` (chains of Linear layers and elementwise activations,
-  scalar prior): the pieces are :class:`laplace_diffjac.kernels.NTKFeatures`,
-  ``B (width_in + C width_out)`` numbers per layer, never ``J``;
 * :class:`FactorRoute` (``DiffBackPackGGN``/``DiffBackPackEF`` over all
-  parameters, any module structure, any prior): the pieces are the engine's
-  per-layer factors (:class:`~laplace_diffjac.jacobians._engine.JacobianFactors`),
-  contracted layer by layer (:func:`laplace_diffjac.kernels._factor_gram.factor_gram`),
-  never ``J``;
+  parameters, any module structure, any prior; any backend's ``nn.Sequential``
+  chain of Linear layers and elementwise activations): the pieces come from the
+  Jacobian engine (:mod:`laplace_diffjac.kernels._engine_pieces`), never ``J``.
+  Where every parameter is a Linear layer's and the prior a scalar they are
+  :class:`~laplace_diffjac.kernels._structured_features.NTKFeatures`,
+  ``B (width_in + C width_out)`` numbers per layer, whose Grams have the cheap
+  backward passes of :mod:`~laplace_diffjac.kernels._cross_gram` and
+  :mod:`~laplace_diffjac.kernels._symmetric_gram`; otherwise the per-layer
+  factors (:class:`~laplace_diffjac.jacobians._engine.JacobianFactors`),
+  contracted layer by layer (:func:`laplace_diffjac.kernels._factor_gram.factor_gram`);
 * :class:`JacobianRoute` (any backend, any prior): the pieces are the Jacobians
   ``(B, C, P)``.
 
@@ -34,14 +37,9 @@ from ...backends import JacobianBackend
 from ...jacobians._engine import JacobianFactors
 from ...kernels import PriorPrecision, jacobians, n_jacobian_columns
 from ...kernels._cross_gram import cross_feature_gram
+from ...kernels._engine_pieces import engine_pieces, factor_route_applies
 from ...kernels._factor_gram import factor_gram
-from ...kernels._ntk import (
-    factor_route_applies,
-    flat_gram,
-    prior_variance,
-    structured_applies,
-)
-from ...kernels._structured import structured_features
+from ...kernels._ntk import flat_gram, prior_variance
 from ...kernels._structured_features import NTKFeatures, feature_diag
 from ...kernels._symmetric_gram import symmetric_feature_gram
 
@@ -53,43 +51,10 @@ __all__ = [
     "JacobianRoute",
     "Pieces",
     "Route",
-    "StructuredRoute",
     "make_route",
     "piece_tensors",
     "with_piece_tensors",
 ]
-
-
-@dataclass(frozen=True)
-class StructuredRoute:
-    """Grams from per-layer features (as in :func:`~laplace_diffjac.structured_ntk`)."""
-
-    backend: JacobianBackend
-    prior_var: torch.Tensor
-
-    def pieces(self, x: torch.Tensor, graph: bool) -> NTKFeatures:
-        """Features of ``x`` ``(B, *input_shape)``; with graph if ``graph``."""
-        with nullcontext() if graph else torch.no_grad():
-            f = structured_features(self.backend.model, x)
-        return f if graph else f.detach()
-
-    def cross(self, a: Pieces, b: Pieces) -> torch.Tensor:
-        """``(B1 C, B2 C)`` prior-scaled Gram, input-major (``b`` usually detached)."""
-        left, right = _features(a).to(_F64), _features(b).to(_F64)
-        return cross_feature_gram(left, right, self.prior_var)
-
-    def self_gram(self, a: Pieces) -> torch.Tensor:
-        """``(B C, B C)`` Gram of a batch with itself, for a symmetric consumer."""
-        return symmetric_feature_gram(_features(a).to(_F64), self.prior_var)
-
-    def diag(self, a: Pieces) -> torch.Tensor:
-        """``(B, C, C)`` per-input blocks."""
-        return feature_diag(_features(a).to(_F64), self.prior_var)
-
-    @staticmethod
-    def cat(parts: Sequence[Pieces]) -> NTKFeatures:
-        """Concatenate pieces of consecutive batches."""
-        return NTKFeatures.cat([_features(p) for p in parts])
 
 
 @dataclass(frozen=True)
@@ -129,18 +94,16 @@ class JacobianRoute:
 
 @dataclass(frozen=True)
 class FactorRoute:
-    """Grams from the engine's per-layer factors (:mod:`.._factor_gram`)."""
+    """Grams from the Jacobian engine's pieces: Linear features or factors."""
 
     backend: JacobianBackend
     prior_var: torch.Tensor
 
-    def pieces(self, x: torch.Tensor, graph: bool) -> JacobianFactors:
-        """Factors of ``x`` ``(B, *input_shape)``; graph-connected if ``graph``."""
-        if graph:
-            return self.backend.jacobian_factors(x, enable_backprop=True)  # type: ignore[attr-defined]
-        with torch.no_grad():
-            parts = self.backend.jacobian_factors(x, enable_backprop=False)  # type: ignore[attr-defined]
-            return parts.detach()
+    def pieces(self, x: torch.Tensor, graph: bool) -> NTKFeatures | JacobianFactors:
+        """Pieces of ``x`` ``(B, *input_shape)``; graph-connected if ``graph``."""
+        regroup = self.prior_var.dim() == 0
+        with nullcontext() if graph else torch.no_grad():
+            return engine_pieces(self.backend, x, graph, regroup)
 
     def _gram(self, a: Pieces, b: Pieces) -> torch.Tensor:
         left = _factors(a).to(_F64)
@@ -150,25 +113,34 @@ class FactorRoute:
         return K.permute(0, 2, 1, 3).reshape(B1 * C1, B2 * C2)
 
     def cross(self, a: Pieces, b: Pieces) -> torch.Tensor:
-        """``(B1 C, B2 C)`` prior-scaled Gram, input-major."""
+        """``(B1 C, B2 C)`` prior-scaled Gram, input-major (``b`` usually detached)."""
+        if isinstance(a, NTKFeatures):
+            left, right = a.to(_F64), _features(b).to(_F64)
+            return cross_feature_gram(left, right, self.prior_var)
         return self._gram(a, b)
 
     def self_gram(self, a: Pieces) -> torch.Tensor:
-        """``(B C, B C)`` Gram of a batch with itself."""
+        """``(B C, B C)`` Gram of a batch with itself, for a symmetric consumer."""
+        if isinstance(a, NTKFeatures):
+            return symmetric_feature_gram(a.to(_F64), self.prior_var)
         return self._gram(a, a)
 
     def diag(self, a: Pieces) -> torch.Tensor:
         """``(B, C, C)`` per-input blocks."""
+        if isinstance(a, NTKFeatures):
+            return feature_diag(a.to(_F64), self.prior_var)
         wide = _factors(a).to(_F64)
         return factor_gram(wide, None, list(self.backend.params), self.prior_var)
 
     @staticmethod
-    def cat(parts: Sequence[Pieces]) -> JacobianFactors:
+    def cat(parts: Sequence[Pieces]) -> NTKFeatures | JacobianFactors:
         """Concatenate pieces of consecutive batches."""
+        if isinstance(parts[0], NTKFeatures):
+            return NTKFeatures.cat([_features(p) for p in parts])
         return JacobianFactors.cat([_factors(p) for p in parts])
 
 
-Route = Union[StructuredRoute, FactorRoute, JacobianRoute]
+Route = Union[FactorRoute, JacobianRoute]
 
 
 def piece_tensors(p: Pieces) -> list[torch.Tensor]:
@@ -180,9 +152,7 @@ def piece_tensors(p: Pieces) -> list[torch.Tensor]:
     """
     if isinstance(p, torch.Tensor):
         return [p]
-    if isinstance(p, JacobianFactors):
-        return p.float_tensors()
-    return [*p.inputs, *(g for g in p.signals if g is not None)]
+    return p.float_tensors()
 
 
 def with_piece_tensors(p: Pieces, tensors: Sequence[torch.Tensor]) -> Pieces:
@@ -194,12 +164,7 @@ def with_piece_tensors(p: Pieces, tensors: Sequence[torch.Tensor]) -> Pieces:
     """
     if isinstance(p, torch.Tensor):
         return tensors[0]
-    if isinstance(p, JacobianFactors):
-        return p.with_tensors(tensors)
-    supply = iter(tensors)
-    inputs = tuple(next(supply) for _ in p.inputs)
-    signals = tuple(None if g is None else next(supply) for g in p.signals)
-    return NTKFeatures(inputs, signals, p.weight, p.bias, p.n_outputs)
+    return p.with_tensors(tensors)
 
 
 def _factors(p: Pieces) -> JacobianFactors:
@@ -210,7 +175,7 @@ def _factors(p: Pieces) -> JacobianFactors:
 
 def _features(p: Pieces) -> NTKFeatures:
     if not isinstance(p, NTKFeatures):
-        raise TypeError("The structured route takes NTKFeatures pieces.")
+        raise TypeError("Linear features pair only with Linear features.")
     return p
 
 
@@ -235,14 +200,14 @@ def make_route(
     prior_precision : float or torch.Tensor
         Scalar or per-parameter ``(P,)``.
     structured : bool, optional
-        ``None``: structured where it applies, else Jacobians; ``True``: require
-        it; ``False``: always Jacobians.
+        ``None``: the engine's pieces where they apply, else Jacobians; ``True``:
+        require them; ``False``: always Jacobians.
     device : torch.device
         Device of the model.
 
     Returns
     -------
-    StructuredRoute, FactorRoute or JacobianRoute
+    FactorRoute or JacobianRoute
 
     Raises
     ------
@@ -253,8 +218,6 @@ def make_route(
     """
     like = torch.empty((), dtype=_F64, device=device)
     prior_var = prior_variance(prior_precision, n_jacobian_columns(backend), like)
-    if structured is not False and structured_applies(backend, prior_var):
-        return StructuredRoute(backend, prior_var)
     if structured is not False and factor_route_applies(backend):
         return FactorRoute(backend, prior_var)
     if structured:

@@ -93,7 +93,7 @@ class DataReading:
         ----------
         model : torch.nn.Module
             The network.
-        route : StructuredRoute, FactorRoute or JacobianRoute
+        route : FactorRoute or JacobianRoute
             How kernel pieces are computed.
         hessian_args : tuple
             ``(likelihood, sigma_noise, temperature, chunk_size)``.

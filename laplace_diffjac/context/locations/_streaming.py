@@ -42,7 +42,7 @@ class StreamSource:
         This rank's shard (iterated again and again; restarted at its end).
     model : torch.nn.Module
         The network.
-    route : StructuredRoute, FactorRoute or JacobianRoute
+    route : FactorRoute or JacobianRoute
         How kernel pieces are computed.
     n : int
         Global ``N``.

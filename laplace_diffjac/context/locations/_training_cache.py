@@ -71,7 +71,7 @@ class TrainingCache:
 
     Parameters
     ----------
-    route : StructuredRoute, FactorRoute or JacobianRoute
+    route : FactorRoute or JacobianRoute
         How kernel pieces are computed.
     X : torch.Tensor
         Training inputs ``(N, *input_shape)`` in the model's dtype.

@@ -28,6 +28,7 @@ from ...backends import JacobianBackend
 from ...jacobians._engine import JacobianFactors
 from ...jacobians._factor_products import factor_ggn_diagonal, factor_jvp
 from ...kernels import factor_route_applies
+from ...kernels._engine_pieces import engine_factors
 from ...kernels._factor_gram import factor_gram
 
 __all__ = [
@@ -319,7 +320,7 @@ class FactorBatch(BatchFeatures):
 def batch_features(
     backend: JacobianBackend, x: Any, enable_backprop: bool, structured: bool = True
 ) -> BatchFeatures:
-    """The features of ``x``: per-layer factors if the backend has them, else ``J``.
+    """The features of ``x``: the engine's factors where they apply, else ``J``.
 
     Parameters
     ----------
@@ -338,7 +339,7 @@ def batch_features(
 
     """
     if structured and factor_route_applies(backend):
-        parts = backend.jacobian_factors(x, enable_backprop=enable_backprop)  # type: ignore[attr-defined]
+        parts = engine_factors(backend, x, enable_backprop)
         return FactorBatch(parts, list(backend.params))
     if getattr(backend, "last_layer", False):
         Js, f = backend.last_layer_jacobians(x, enable_backprop=enable_backprop)

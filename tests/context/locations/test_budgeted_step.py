@@ -34,7 +34,6 @@ from laplace_diffjac.context.locations._gap import pieces_trace
 from laplace_diffjac.context.locations._routes import (
     FactorRoute,
     JacobianRoute,
-    StructuredRoute,
     make_route,
     piece_tensors,
 )
@@ -47,7 +46,7 @@ JITTER = 1e-6
 
 
 CASES = {
-    "structured": (small_mlp, (4,), None, StructuredRoute),
+    "features": (small_mlp, (4,), None, FactorRoute),
     "factors": (small_cnn, (1, 8, 8), None, FactorRoute),
     "jacobians": (small_cnn, (1, 8, 8), False, JacobianRoute),
 }

@@ -1,0 +1,176 @@
+"""One batch's share of the Gram from the Jacobian engine: Linear features or factors.
+
+The engine (:func:`laplace_diffjac.jacobians._engine.jacobian_factors`) walks the
+model once per batch and gives every parameter's Jacobian as factors. Where all
+of them are Linear layers applied to one feature vector per input (MLPs, whatever
+their module structure) and the prior is a scalar, the factors are regrouped by
+layer into :class:`~._structured_features.NTKFeatures`, whose Grams cost
+``B1 B2 (width_in + C² width_out)`` per layer and have cheap backward passes;
+otherwise they stay factors, contracted parameter by parameter
+(:func:`~._factor_gram.factor_gram`). Either way ``J`` is never formed. A
+caller asks for a batch's *pieces* and contracts two batches' pieces; which of
+the two kinds they are follows from the model and the prior alone, so every
+batch of one call gets the same kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, Union, runtime_checkable
+
+import torch
+
+from ..backends import JacobianBackend
+from ..jacobians._engine import JacobianFactors, jacobian_factors
+from ._factor_gram import factor_gram
+from ._structured import supports_structured_ntk
+from ._structured_features import (
+    NTKFeatures,
+    chain_features,
+    feature_diag,
+    feature_gram,
+)
+
+#: What :func:`engine_pieces` gives for one batch.
+EnginePieces = Union[NTKFeatures, JacobianFactors]
+
+__all__ = [
+    "EnginePieces",
+    "factor_route_applies",
+    "engine_factors",
+    "engine_pieces",
+    "pieces_diag",
+    "pieces_gram",
+]
+
+
+@runtime_checkable
+class _FactorBackend(Protocol):
+    """A backend that hands out the per-layer factors of its Jacobians."""
+
+    def jacobian_factors(self, x: Any, enable_backprop: bool = False) -> Any: ...
+
+
+def factor_route_applies(backend: JacobianBackend) -> bool:
+    """Whether the engine's factors give this backend's Jacobians.
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        The backend whose Jacobians a Gram would contract.
+
+    Returns
+    -------
+    bool
+        ``True`` for ``DiffBackPackGGN`` and ``DiffBackPackEF`` over all their
+        parameters (neither last-layer nor subnetwork), and for any other
+        backend whose model is an ``nn.Sequential`` chain of Linear layers and
+        elementwise activations (:func:`~._structured.supports_structured_ntk`)
+        with the Jacobian taken in all its trainable parameters.
+
+    """
+    if getattr(backend, "last_layer", False):
+        return False
+    if getattr(backend, "subnetwork_indices", None) is not None:
+        return False
+    if isinstance(backend, _FactorBackend):
+        return True
+    return supports_structured_ntk(backend.model, list(backend.params))
+
+
+def engine_factors(backend: JacobianBackend, x: Any, graph: bool) -> JacobianFactors:
+    """The engine's factors of a batch ``x`` (:func:`factor_route_applies` holds).
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        Its own ``jacobian_factors`` where it has one, else the engine over its
+        model and parameters.
+    x : torch.Tensor or Mapping
+        ``(B, *input_shape)``.
+    graph : bool
+        Keep the factors connected to the graph of ``x`` and the parameters.
+
+    Returns
+    -------
+    JacobianFactors
+        Detached unless ``graph``.
+    """
+    if isinstance(backend, _FactorBackend):
+        return backend.jacobian_factors(x, enable_backprop=graph)
+    return jacobian_factors(
+        backend.model, x, list(backend.params), enable_backprop=graph
+    )
+
+
+def engine_pieces(
+    backend: JacobianBackend,
+    x: Any,
+    graph: bool,
+    regroup: bool,
+    dtype: torch.dtype | None = None,
+) -> EnginePieces:
+    """A batch's pieces: Linear features where they apply, else the factors.
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        A backend :func:`factor_route_applies` to.
+    x : torch.Tensor or Mapping
+        ``(B, *input_shape)``.
+    graph : bool
+        Keep the pieces connected to the graph of ``x`` and the parameters.
+    regroup : bool
+        Regroup Linear layers' factors into features where they all are (the
+        features' Grams need a scalar prior).
+    dtype : torch.dtype, optional
+        Cast the pieces to it (after regrouping, which needs the engine's views).
+
+    Returns
+    -------
+    NTKFeatures or JacobianFactors
+    """
+    factors = engine_factors(backend, x, graph)
+    pieces: EnginePieces = factors
+    if regroup:
+        features = chain_features(factors, list(backend.params))
+        pieces = factors if features is None else features
+    return pieces if dtype is None else pieces.to(dtype)
+
+
+def pieces_gram(
+    left: EnginePieces,
+    right: EnginePieces,
+    params: Sequence[torch.Tensor],
+    prior_var: torch.Tensor,
+) -> torch.Tensor:
+    """``J(x1) Σ₀ J(x2)ᵀ`` ``(B1, B2, V, V)`` of two batches' pieces of one kind.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B1, B2, V, V)``, laplace-torch's kernel layout; differentiable (twice
+        through features, as through factors).
+    """
+    if isinstance(left, NTKFeatures):
+        assert isinstance(right, NTKFeatures)
+        n1, n2, c = len(left), len(right), left.n_outputs
+        flat = feature_gram(left, right, prior_var)
+        return flat.view(n1, c, n2, c).permute(0, 2, 1, 3)
+    assert isinstance(right, JacobianFactors)
+    return factor_gram(left, right, params, prior_var)
+
+
+def pieces_diag(
+    pieces: EnginePieces, params: Sequence[torch.Tensor], prior_var: torch.Tensor
+) -> torch.Tensor:
+    """The per-input blocks ``J(xₙ) Σ₀ J(xₙ)ᵀ`` ``(B, V, V)`` of a batch's pieces.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, V, V)``.
+    """
+    if isinstance(pieces, NTKFeatures):
+        return feature_diag(pieces, prior_var)
+    return factor_gram(pieces, None, params, prior_var)
