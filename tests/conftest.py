@@ -13,6 +13,12 @@ from torch import nn
 from laplace_diffjac import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN
 from laplace_diffjac.laplace_integration._compat import LAPLACE_VERSION
 
+# PyTorch warns once per process for some misuses (a scalar from a tensor that
+# requires grad, say). Under pytest-xdist which test meets such a warning first
+# depends on how tests fall to workers, so `-W error` would catch it in one run and
+# not the next. Warning every time makes each test's outcome its own.
+torch.set_warn_always(True)
+
 
 @dataclass(frozen=True)
 class Case:

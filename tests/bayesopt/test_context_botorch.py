@@ -572,7 +572,7 @@ def _laplace_bayesopt_hyperparameters(net: nn.Module, X, Y, iters: int, sigma=No
             loss = -la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())
         loss.backward()
         optimizer.step()
-    return float(log_prior.exp()), float(log_sigma.exp())
+    return float(log_prior.detach().exp()), float(log_sigma.detach().exp())
 
 
 @pytest.mark.parametrize("noise_var", [None, 0.04])
