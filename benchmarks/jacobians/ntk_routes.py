@@ -4,9 +4,11 @@ One run, one process, the same weights and inputs for every route, so the ratios
 compare like with like. Routes:
 
 * ``factors``: ``DiffBackPackGGN`` + :func:`laplace_diffjac.kernels.ntk` on a model
-  written as a class (the per-layer factor route, never forming ``J``);
-* ``sequential``: the same weights as an ``nn.Sequential`` (the chain route of
-  :func:`laplace_diffjac.kernels.structured_ntk`), MLP only;
+  written as a class (the per-layer factor route, never forming ``J``; a chain
+  of Linear layers' factors regrouped as layer features);
+* ``sequential``: the same weights as an ``nn.Sequential``, MLP only: the same
+  route since there is one walker of the model (the engine), so the two should
+  take the same time;
 * ``jacobians``: ``ntk(..., structured=False)``, forming ``J`` (B·C·P) and
   contracting it;
 * ``torch.func vmap(jacrev)``: the Jacobian-contraction recipe of PyTorch's NTK
@@ -15,8 +17,8 @@ compare like with like. Routes:
 
 The step timed is what a location optimiser waits for: the Gram and the gradient of
 ``Σ K²`` in ``x`` (in the parameters for the transformer, whose inputs are
-tokens). Median of ``--repeats`` interleaved runs (every route once per round)
-after one warm-up, seconds.
+tokens). Median of ``--repeats`` interleaved runs (every route once per round,
+each round in its own shuffled order) after one warm-up, seconds.
 
 Every route's Gram is compared with the factor route's (``max relative difference
 to factors``), so a fast wrong route shows.
@@ -47,6 +49,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -232,12 +235,23 @@ def _model_gmac(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
 def _time_routes(
     working: dict[str, Callable], x: torch.Tensor, repeats: int
 ) -> dict[str, float]:
-    """Median seconds of every route's step, interleaved round after round."""
+    """Median seconds of every route's step, interleaved round after round.
+
+    Interleaved, so that drift on the machine hits every route; each round in
+    its own order (a seeded shuffle), so that no route always runs right after
+    the same other one: a route that leaves the allocator's heap in a bad state
+    (the NTK-vector products' ``vmap``) slowed whichever route came next by up
+    to 2× (in a fixed order, the class and the ``nn.Sequential`` MLP, one
+    route, took 1.0× and 2.0× the factor route's time).
+    """
     times: dict[str, list[float]] = {route: [] for route in working}
-    for _ in range(repeats):  # interleaved: drift on the machine hits every route
-        for route, fn in working.items():
+    order = list(working)
+    shuffle = random.Random(0).shuffle
+    for _ in range(repeats):
+        shuffle(order)
+        for route in order:
             start = time.perf_counter()
-            fn(x)
+            working[route](x)
             times[route].append(time.perf_counter() - start)
     return {route: statistics.median(values) for route, values in times.items()}
 
