@@ -243,8 +243,8 @@ def ntk(
     x1 : torch.Tensor
         ``(B1, *input_shape)``.
     x2 : torch.Tensor, optional
-        ``(B2, *input_shape)``; ``None`` means ``x1`` (the Jacobians of ``x1`` are
-        then computed once per chunk pair).
+        ``(B2, *input_shape)``; ``None`` (or ``x1`` itself, the same tensor) means
+        ``x1``, whose Jacobians or pieces are then computed once.
     prior_precision : float or torch.Tensor, default=1.0
         Scalar or per-parameter ``(P,)`` prior precision; ``Σ₀`` is its inverse.
     chunk_size : int, default=256
@@ -280,7 +280,7 @@ def ntk(
     """
     if chunk_size < 1:
         raise ValueError("chunk_size must be positive.")
-    symmetric = x2 is None
+    symmetric = x2 is None or x2 is x1  # one tensor: its pieces once
     x2 = x1 if x2 is None else x2
     n_params = n_jacobian_columns(backend)
     prior_var = prior_variance(

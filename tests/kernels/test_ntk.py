@@ -79,6 +79,28 @@ def test_ntk_gradients_match_reference(case, backend_cls):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("structured", [None, False])
+def test_ntk_of_one_tensor_twice_matches_reference(case, structured):
+    """``ntk(b, x, x)`` (one tensor passed twice) takes the symmetric route: its
+    Gram and its gradients in ``x`` and the parameters are the reference's."""
+    from laplace_diffjac import DiffBackPackGGN
+
+    model = case.model()
+    x = case.inputs(5, seed=1).requires_grad_()
+    weights = torch.randn(
+        5, 5, case.n_outputs, case.n_outputs, generator=torch.Generator().manual_seed(7)
+    ).double()
+    params = list(model.parameters())
+    backend = DiffBackPackGGN(model, "regression")
+    K = ntk(backend, x, x, prior_precision=0.7, chunk_size=2, structured=structured)
+    K_ref = _reference_ntk(model, x, x, torch.tensor(1 / 0.7, dtype=torch.float64))
+    torch.testing.assert_close(K, K_ref, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad((K * weights).sum(), [x, *params], allow_unused=True)
+    want = torch.autograd.grad((K_ref * weights).sum(), [x, *params], allow_unused=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
 def test_ntk_gradcheck_locations():
     from laplace_diffjac import DiffBackPackGGN
     from tests.conftest import CASES
