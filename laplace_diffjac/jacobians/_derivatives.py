@@ -141,7 +141,12 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
         if any(name.startswith(prefix) for prefix in composite):
             continue
         recurse = isinstance(module, nn.MultiheadAttention)
-        own = [p for p in module.parameters(recurse=recurse) if id(p) in wanted]
+        held = (
+            module.parameters()
+            if recurse
+            else (p for p in module._parameters.values() if p is not None)
+        )  # the registry itself: parameters(recurse=False) costs three generators
+        own = [p for p in held if id(p) in wanted]
         if not own:
             continue
         if recurse:

@@ -80,7 +80,8 @@ def recorded_forward(
     first: Any = None
     random_state = _RandomState()  # a rerun draws what the first run drew
     while True:  # each further run copies or expands more modules: it ends
-        random_state.restore()
+        if first is not None:
+            random_state.restore()
         recording = recorded_calls(
             modules, FORWARDS, rewritten, copied, expanded, batch
         )

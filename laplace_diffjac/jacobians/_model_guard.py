@@ -30,48 +30,62 @@ _HOOK_DICTS = (
 )
 
 
-class _ObjectSnapshot:
-    """The attribute dictionary of one object, shallowly copied."""
+class _AttributeSnapshot:
+    """The attribute dictionary of one object, shallowly copied.
+
+    Restoring compares first the keys in order and the values' identities, in
+    C; only a dictionary that changed is walked key by key.
+    """
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
-        self.attrs = dict(vars(obj))
-        self.hook_keys = {
-            name: set(d.keys())
-            for name in _HOOK_DICTS
-            if isinstance(d := self.attrs.get(name), dict)
-        }
+        self.attrs = vars(obj).copy()
+        self.keys = tuple(self.attrs)
+        self.ids = [id(v) for v in self.attrs.values()]  # alive: ``attrs`` holds them
 
     def restore(self) -> None:
         current = vars(self.obj)
+        if tuple(current) == self.keys and [*map(id, current.values())] == self.ids:
+            return
         for key in [k for k in current if k not in self.attrs]:
             del current[key]
         for key, value in self.attrs.items():
             if key not in current or current[key] is not value:
                 current[key] = value
-        for name, keys in self.hook_keys.items():
+
+
+class _ModuleSnapshot(_AttributeSnapshot):
+    """A module's attributes and the keys of its hook dictionaries."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self.hook_keys = [
+            (name, frozenset(d))
+            for name in _HOOK_DICTS
+            if isinstance(d := self.attrs.get(name), dict)
+        ]
+
+    def restore(self) -> None:
+        super().restore()
+        current = vars(self.obj)
+        for name, keys in self.hook_keys:
             hooks = current[name]
-            for key in [k for k in hooks if k not in keys]:
-                del hooks[key]
+            if len(hooks) != len(keys) or hooks.keys() != keys:
+                for key in [k for k in hooks if k not in keys]:
+                    del hooks[key]
 
 
-class _ParameterSnapshot:
+class _TensorSnapshot(_AttributeSnapshot):
     """A tensor's ``.grad`` and its extra Python attributes (e.g. ``grad_batch``)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        super().__init__(tensor)
         self.grad = tensor.grad
-        self.attrs = dict(vars(tensor))
 
     def restore(self) -> None:
-        if self.tensor.grad is not self.grad:
-            self.tensor.grad = self.grad
-        current = vars(self.tensor)
-        for key in [k for k in current if k not in self.attrs]:
-            del current[key]
-        for key, value in self.attrs.items():
-            if key not in current or current[key] is not value:
-                current[key] = value
+        if self.obj.grad is not self.grad:
+            self.obj.grad = self.grad
+        super().restore()
 
 
 @contextmanager
@@ -89,31 +103,39 @@ def preserved_state(*modules: nn.Module | None) -> Iterator[None]:
     None
 
     """
-    module_snaps: list[_ObjectSnapshot] = []
-    tensor_snaps: list[_ParameterSnapshot] = []
+    snapshots: list[_AttributeSnapshot] = []
     seen: set[int] = set()
     for root in modules:
         if root is None:
             continue
-        for module in root.modules():
+        for module in root.modules():  # one walk: each module's own tensors
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            module_snaps.append(_ObjectSnapshot(module))
-        for tensor in _tensors_of(root):
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            tensor_snaps.append(_ParameterSnapshot(tensor))
+            snapshots.append(_ModuleSnapshot(module))
+            for tensor in _tensors_of(module):
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    snapshots.append(_TensorSnapshot(tensor))
     try:
         yield
     finally:
-        for snap in module_snaps:
-            snap.restore()
-        for tensor_snap in tensor_snaps:
-            tensor_snap.restore()
+        for snapshot in snapshots:
+            snapshot.restore()
 
 
 def _tensors_of(module: nn.Module) -> Iterable[torch.Tensor]:
-    yield from module.parameters()
-    yield from module.buffers()
+    """The module's own parameters and buffers (not its submodules').
+
+    Read from its registries directly: ``parameters(recurse=False)`` walks the
+    same entries through three generators, which costs more than the snapshot.
+
+    Yields
+    ------
+    torch.Tensor
+        Each registered parameter, then each buffer (``None`` entries skipped).
+    """
+    for registry in (module._parameters, module._buffers):
+        for tensor in registry.values():
+            if tensor is not None:
+                yield tensor
