@@ -20,6 +20,7 @@ CONTEXT_UPDATE = ROOT / "benchmarks/context_posterior/context_update.py"
 CONTEXT_NUMERICS = ROOT / "benchmarks/context_posterior/context_numerics.py"
 OPTIMIZER_DEFAULTS = ROOT / "benchmarks/optimizer/optimizer_defaults.py"
 PROFILE_ENGINE = ROOT / "benchmarks/jacobians/profile_engine.py"
+SMALL_NTK_CALLS = ROOT / "benchmarks/jacobians/small_ntk_calls.py"
 
 
 def _run(script: Path, *args: str) -> str:
@@ -74,3 +75,23 @@ def test_quick_optimizer_minibatch_rows(tmp_path: Path) -> None:
 def test_profile_engine_prints_the_operator_table() -> None:
     text = _run(PROFILE_ENGINE, "--config", "mlp,16,2,4", "--reps", "1")
     assert "Self CPU" in text
+
+
+@pytest.mark.slow
+def test_small_ntk_calls_times_every_step_of_this_tree(tmp_path: Path) -> None:
+    out = tmp_path / "calls.md"
+    _run(
+        SMALL_NTK_CALLS,
+        "--trees",
+        ".",
+        "--rounds",
+        "1",
+        "--calls",
+        "16",
+        "--out",
+        str(out),
+    )
+    record = json.loads(out.with_suffix(".json").read_text())
+    (tree,) = record["trees"]
+    assert len(tree["us"]) == 5 and all(t > 0 for t in tree["us"].values())
+    assert "B = 320, no gradient" in out.read_text()
