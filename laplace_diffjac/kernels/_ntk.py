@@ -283,12 +283,12 @@ def ntk(
     symmetric = x2 is None or x2 is x1  # one tensor: its pieces once
     x2 = x1 if x2 is None else x2
     n_params = n_jacobian_columns(backend)
+    first = _first_param(backend)
+    device = first.device
     prior_var = prior_variance(
         prior_precision,
         n_params,
-        torch.empty(
-            (), device=_param_device(backend), dtype=dtype or _param_dtype(backend)
-        ),
+        torch.empty((), device=device, dtype=dtype or first.dtype),
     )
     use_factors = structured is not False and factor_route_applies(backend)
     if structured and not use_factors:
@@ -300,7 +300,6 @@ def ntk(
         )
     features = _budget_route(backend, use_factors, dtype, prior_var=prior_var)
     grad = _gradient_possible(features, prior_var, x1, x2)
-    device = _param_device(backend)
     plan = plan_gram(
         _costs(backend, features, x1, prior_var, use_factors, dtype),
         (batch_of(x1), batch_of(x2)),
@@ -370,17 +369,16 @@ def ntk_diag(
         for dict inputs that do not fit it in one piece.
 
     """
+    first = _first_param(backend)
+    device = first.device
     prior_var = prior_variance(
         prior_precision,
         n_jacobian_columns(backend),
-        torch.empty(
-            (), device=_param_device(backend), dtype=dtype or _param_dtype(backend)
-        ),
+        torch.empty((), device=device, dtype=dtype or first.dtype),
     )
     use_factors = factor_route_applies(backend)
     features = _budget_route(backend, use_factors, dtype, prior_var=prior_var)
     grad = _gradient_possible(features, prior_var, x)
-    device = _param_device(backend)
     plan = plan_diagonal(
         _costs(backend, features, x, prior_var, use_factors, dtype),
         batch_of(x),
@@ -456,12 +454,9 @@ def n_jacobian_columns(backend: JacobianBackend) -> int:
     return sum(p.numel() for p in backend.params)
 
 
-def _param_dtype(backend: JacobianBackend) -> torch.dtype:
-    return next(iter(backend.model.parameters())).dtype
-
-
-def _param_device(backend: JacobianBackend) -> torch.device:
-    return next(iter(backend.model.parameters())).device
+def _first_param(backend: JacobianBackend) -> torch.Tensor:
+    """The model's first parameter: its device and dtype are the model's."""
+    return next(iter(backend.model.parameters()))
 
 
 def _budget_route(
