@@ -1,10 +1,12 @@
 """``δ`` and ``σ`` by laplace-torch's KFAC Laplace evidence, as laplace-bayesopt.
 
 laplace-bayesopt's ``LaplaceBoTorch`` tunes a regression network's prior
-precision ``δ`` and noise ``σ`` after training: a ``KronLaplace`` of the network,
-then Adam (learning rate 0.1) on ``log δ`` and ``log σ`` from ``1``, against
-``log_marginal_likelihood``. :class:`~laplace_diffjac.bayesopt.ContextBoTorch`
-(``evidence='kron'``) chooses them the same way.
+precision ``δ`` and noise ``σ`` after training: a ``KronLaplace`` of all the
+network's weights (its ``last_layer=False`` default), then Adam (learning rate
+0.1) on ``log δ`` and ``log σ`` from ``1``, against ``log_marginal_likelihood``.
+:class:`~laplace_diffjac.bayesopt.ContextBoTorch` (``evidence='kron'``) chooses
+them the same way. laplace-torch's ``Laplace(...)`` defaults to the last layer,
+so the subset is named here.
 """
 
 from __future__ import annotations
@@ -57,7 +59,11 @@ def kron_evidence_hyperparameters(
 
     """
     laplace = Laplace(
-        model, "regression", hessian_structure="kron", backend=DiffBackPackGGN
+        model,
+        "regression",
+        subset_of_weights="all",
+        hessian_structure="kron",
+        backend=DiffBackPackGGN,
     )
     laplace.fit(DataLoader(TensorDataset(X, Y), batch_size=batch_size))
     dtype, device = X.dtype, X.device

@@ -545,8 +545,10 @@ def test_residual_noise_is_the_networks_mean_squared_residual():
 def _laplace_bayesopt_hyperparameters(net: nn.Module, X, Y, iters: int, sigma=None):
     """laplace-bayesopt's post-hoc tuning, on laplace-torch's own BackPACK backend.
 
-    ``LaplaceBoTorch._train_model``: a ``KronLaplace`` fitted on minibatches of 10,
-    then Adam (lr 0.1) on ``log δ`` and ``log σ`` from 1 (``σ`` fixed if given).
+    ``LaplaceBoTorch._train_model``: a ``KronLaplace`` of all the weights
+    (``subset_of_weights='all'`` for its default ``last_layer=False``) fitted on
+    minibatches of 10, then Adam (lr 0.1) on ``log δ`` and ``log σ`` from 1
+    (``σ`` fixed if given).
     """
     import copy
     import warnings
@@ -556,8 +558,14 @@ def _laplace_bayesopt_hyperparameters(net: nn.Module, X, Y, iters: int, sigma=No
     from torch.utils.data import DataLoader, TensorDataset
 
     net = copy.deepcopy(net)
-    la = Laplace(net, "regression", hessian_structure="kron", backend=BackPackGGN)
-    la.fit(DataLoader(TensorDataset(X, Y), batch_size=10))
+    la = Laplace(
+        net, "regression", subset_of_weights="all", hessian_structure="kron",
+        backend=BackPackGGN,
+    )  # fmt: skip
+    with warnings.catch_warnings():  # BackPACK's full backward hooks warn
+        warnings.simplefilter("ignore", UserWarning)
+        la.fit(DataLoader(TensorDataset(X, Y), batch_size=10))
+    assert la.n_params == sum(p.numel() for p in net.parameters())  # all weights
     log_prior = torch.ones(1, dtype=X.dtype, requires_grad=True)
     log_sigma = torch.ones(1, dtype=X.dtype, requires_grad=sigma is None)
     if sigma is not None:
