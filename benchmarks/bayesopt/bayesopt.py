@@ -18,6 +18,10 @@ surrogate:
   ``CurvlinopsGGN``, 1000 epochs, post-hoc evidence tuning); every new observation
   retrains the network from scratch (its ``condition_on_observations``);
 * ``LaplaceBoTorch + DiffBackPackGGN``: the same with this package's backend;
+* ``ContextBoTorch(kron-covariance)``: ``ContextBoTorch`` at its defaults
+  (network, schedule, mean, ``δ`` and ``σ``) with one change, the covariance:
+  laplace-torch's KFAC posterior of its current network on all observations
+  (``LaplaceBoTorch``'s) in place of the exact GGN; an ablation for issue #44;
 * ``ContextBoTorch``: this package, ``--locations`` context locations, random
   (uniform in the cube) or optimised (the Nyström gap on the data and a Sobol
   sample of the cube), with retraining (network, locations, δ and σ every
@@ -111,6 +115,7 @@ METHODS = (
     "ContextBoTorch",
     "ContextBoTorch(factors)",
     "ContextBoTorch(factors,noise)",
+    "ContextBoTorch(kron-covariance)",
     "LaplaceBoTorch+DiffBackPackGGN",
     "Context(random)",
     "Context(optimised)",
@@ -145,7 +150,7 @@ CONTEXT_FLAGS = (
     "noise",
 )
 #: The flags a ``ContextBoTorch(...)`` method may combine (see ``_context_defaults``).
-DEFAULTS_FLAGS = ("factors", "noise")
+DEFAULTS_FLAGS = ("factors", "noise", "kron-covariance")
 #: laplace-bayesopt retrains its network for every observation; see ``--laplace-seeds``.
 RETRAINING_METHODS = ("LaplaceBoTorch", "LaplaceBoTorch+DiffBackPackGGN")
 
@@ -337,15 +342,16 @@ def _surrogate(method: str, X: torch.Tensor, Y: torch.Tensor, cfg: Config, seed:
     if method.startswith("ContextBoTorch"):  # the defaults, and two flags
         flags = _flags(method, "ContextBoTorch", DEFAULTS_FLAGS)
         model = _context_defaults(
-            get_net, X, Y, cfg, seed, "factors" in flags, "noise" in flags
-        )
+            get_net, X, Y, cfg, seed, "factors" in flags, "noise" in flags,
+            "kron-covariance" in flags,
+        )  # fmt: skip
         return _Conditioned(model)
     return _Conditioned(_context(method, get_net, X, Y, cfg, seed))
 
 
 def _context_defaults(get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config,
                       seed: int, structured: bool = False,
-                      noise: bool = False):  # fmt: skip
+                      noise: bool = False, kron: bool = False):  # fmt: skip
     """``ContextBoTorch`` at the package's defaults.
 
     Only the sizes that ``--quick`` shrinks are passed; the full run's values
@@ -354,12 +360,14 @@ def _context_defaults(get_net, X: torch.Tensor, Y: torch.Tensor, cfg: Config,
     (``ContextBoTorch(factors)``): predictions from the per-layer factors, not
     the Jacobians of the test points. ``noise`` (``ContextBoTorch(...,noise)``):
     the observation noise added to every prediction, as ``LaplaceBoTorch``
-    does.
+    does. ``kron`` (``ContextBoTorch(kron-covariance)``): the KFAC covariance
+    (:func:`_KronCovarianceContext`).
     """
     from laplace_diffjac.bayesopt import ContextBoTorch, RetrainSchedule
 
     unit = torch.stack([torch.zeros(X.shape[-1]), torch.ones(X.shape[-1])]).to(X)
     cls = _NoisyContext() if noise else ContextBoTorch
+    cls = _KronCovarianceContext() if kron else cls
     return cls(
         get_net,
         X,
@@ -450,6 +458,65 @@ def _NoisyContext():
             )
 
     return NoisyContextBoTorch
+
+
+def _KronCovarianceContext():
+    """``ContextBoTorch`` with ``LaplaceBoTorch``'s KFAC covariance, nothing else.
+
+    The mean, the network (trained, fine-tuned and retrained on
+    ``ContextBoTorch``'s schedule), ``δ`` and ``σ`` are ``ContextBoTorch``'s;
+    the joint covariance of a q-batch is ``J Σ Jᵀ`` with ``Σ`` the inverse of a
+    ``KronLaplace`` posterior precision fitted (``DiffBackPackGGN``, batches of
+    10, as laplace-bayesopt) on the current network and all observations with
+    those ``δ`` and ``σ``, and ``J`` the graph-connected Jacobians of the batch.
+    So a difference from ``ContextBoTorch`` is the covariance's alone. One
+    output; outcomes standardised by the caller (no outcome transform).
+    """
+    from botorch.posteriors.gpytorch import GPyTorchPosterior
+    from gpytorch.distributions import MultivariateNormal
+    from laplace import Laplace
+    from linear_operator.operators import DenseLinearOperator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from laplace_diffjac import DiffBackPackGGN
+    from laplace_diffjac.bayesopt import ContextBoTorch
+
+    class KronCovarianceContextBoTorch(ContextBoTorch):
+        def _kron(self):
+            """The KFAC posterior of the current fit (refitted when it changes)."""
+            posterior = self._fit.posterior
+            key = (id(posterior), len(self.train_X))
+            if getattr(self, "_kron_key", None) != key:
+                laplace = Laplace(
+                    posterior.model, "regression", subset_of_weights="all",
+                    hessian_structure="kron", backend=DiffBackPackGGN,
+                    prior_precision=float(posterior.prior_precision.reshape(-1)[0]),
+                    sigma_noise=float(posterior.sigma_noise.reshape(-1)[0]),
+                )  # fmt: skip
+                data = TensorDataset(self.train_X.detach(), self.train_Y.detach())
+                laplace.fit(DataLoader(data, batch_size=10))
+                self._kron_laplace, self._kron_key = laplace, key
+            return self._kron_laplace
+
+        def posterior(self, X, output_indices=None, observation_noise=False,
+                      posterior_transform=None, **kwargs):  # fmt: skip
+            if output_indices is not None or observation_noise:
+                raise NotImplementedError("one output, no observation noise")
+            X = self.transform_inputs(X) if hasattr(self, "input_transform") else X
+            laplace = self._kron()
+            mean, _ = self._fit.posterior.joint_predictive(X)  # (*b, q, 1)
+            batch, (q, d) = X.shape[:-2], X.shape[-2:]
+            Js, _ = laplace.backend.jacobians(X.reshape(-1, d), enable_backprop=True)
+            Js = Js.reshape(-1, q, Js.shape[-1])  # (b, q, P): one output
+            cov = laplace.posterior_precision.inv_square_form(Js).reshape(*batch, q, q)
+            result = GPyTorchPosterior(
+                MultivariateNormal(mean[..., 0], DenseLinearOperator(cov))
+            )
+            if posterior_transform is not None:
+                return posterior_transform(result)
+            return result
+
+    return KronCovarianceContextBoTorch
 
 
 @dataclass

@@ -222,6 +222,97 @@ def test_the_halves_report_applies_the_issues_criterion_per_function(
     assert [r["function"] for r in rows] == list(halves.bayesopt.HELD_OUT_FUNCTIONS)
 
 
+def test_the_halves_report_compares_an_ablation_with_ours(tmp_path: Path) -> None:
+    """``--ours METHOD`` puts another method against LaplaceBoTorch; the
+    ContextBoTorch records beside it are ignored."""
+    halves = load_script(ROOT / "benchmarks/bayesopt/halves.py", "bo_halves")
+    laplace = [_record("beale", "LaplaceBoTorch", s, [10.0, 1.0]) for s in (0, 1)]
+    context = [_record("beale", "ContextBoTorch", s, [10.0, 5.0]) for s in (0, 1)]
+    ablation = "ContextBoTorch(kron-covariance)"
+    variant = [_record("beale", ablation, s, [10.0, 1.0], cpu_s=0.1) for s in (0, 1)]
+    (row,) = halves.compare([*laplace, *context, *variant], ("beale",), ablation)
+    assert row["ours"]["log10"] == pytest.approx(0.0) and row["met"]
+    (default,) = halves.compare([*laplace, *context, *variant], ("beale",))
+    assert default["ours"]["log10"] == pytest.approx(0.699, abs=1e-3)
+    (tmp_path / "run" / "raw").mkdir(parents=True)
+    for r in [*laplace, *context, *variant]:
+        name = f"{r['function']}_{r['method']}_{r['seed']}.json"
+        (tmp_path / "run" / "raw" / name).write_text(json.dumps(r))
+    out = tmp_path / "ABLATION.md"
+    halves.main(["--q1", str(tmp_path / "run"), "--out", str(out), "--ours", ablation])
+    text = out.read_text()
+    assert text.startswith(f"# {ablation} against LaplaceBoTorch")
+    assert f"--ours '{ablation}'" in text
+    rows = json.loads((tmp_path / "ablation.json").read_text())["q1 held-out half"]
+    assert rows[[r["function"] for r in rows].index("beale")]["met"]
+
+
+def test_the_halves_report_takes_laplace_from_the_recorded_run(tmp_path: Path) -> None:
+    """``--laplace DIR``: a rerun of ContextBoTorch alone against the recorded
+    LaplaceBoTorch; the recorded run's own ContextBoTorch is not read."""
+    halves = load_script(ROOT / "benchmarks/bayesopt/halves.py", "bo_halves")
+    recorded = [_record("beale", "LaplaceBoTorch", s, [10.0, 1.0]) for s in (0, 1)]
+    recorded += [_record("beale", "ContextBoTorch", s, [10.0, 5.0]) for s in (0, 1)]
+    rerun = [
+        _record("beale", "ContextBoTorch", s, [10.0, 1.0], cpu_s=0.1) for s in (0, 1)
+    ]
+    for folder, records in (("recorded", recorded), ("rerun", rerun)):
+        (tmp_path / folder / "raw").mkdir(parents=True)
+        for r in records:
+            name = f"{r['function']}_{r['method']}_{r['seed']}.json"
+            (tmp_path / folder / "raw" / name).write_text(json.dumps(r))
+    out = tmp_path / "AFTER.md"
+    rerun_dir, recorded_dir = str(tmp_path / "rerun"), str(tmp_path / "recorded")
+    halves.main(["--q1", rerun_dir, "--laplace", recorded_dir, "--out", str(out)])
+    rows = json.loads((tmp_path / "after.json").read_text())["q1 held-out half"]
+    beale = rows[[r["function"] for r in rows].index("beale")]
+    assert beale["ours"]["log10"] == pytest.approx(0.0)  # the rerun's, not 0.699
+    assert beale["ref"]["seeds"] == [0, 1] and beale["met"]
+    assert "LaplaceBoTorch's from: `recorded/`" in out.read_text()
+
+
+def test_the_kron_covariance_ablation_is_the_kfac_posterior_of_its_network() -> None:
+    """``ContextBoTorch(kron-covariance)``: the joint covariance of a q-batch is
+    ``J Σ Jᵀ`` of laplace-torch's ``KronLaplace`` on the same network, data,
+    ``δ`` and ``σ`` (fitted here independently, with laplace-torch's own
+    ``BackPackGGN``, and its Jacobians from a float64 per-sample autograd loop),
+    and the mean is ContextBoTorch's."""
+    import warnings
+
+    from laplace import Laplace
+    from laplace.curvature import BackPackGGN
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.references import reference_jacobians
+
+    script = _script()
+    cfg = script.replace(script.QUICK, outcomes="caller")
+    problem = script._problem("branin")
+    X, Y, _ = script.initial_design(problem, 8, 0)
+    model = script._surrogate("ContextBoTorch(kron-covariance)", X, Y, cfg, 0).model
+    Xq = torch.rand(3, 2, 2, generator=torch.Generator().manual_seed(1)).double()
+    got = model.posterior(Xq)
+    post = model.context_posterior
+    # before laplace-torch's BackPACK extends the network (its hooks stay on it)
+    J, _ = reference_jacobians(post.model, Xq.reshape(-1, 2), loop=True)  # (6, 1, P)
+    laplace = Laplace(
+        post.model, "regression", subset_of_weights="all", hessian_structure="kron",
+        backend=BackPackGGN,
+        prior_precision=float(post.prior_precision.reshape(-1)[0]),
+        sigma_noise=float(post.sigma_noise.reshape(-1)[0]),
+    )  # fmt: skip
+    with warnings.catch_warnings():  # BackPACK's full backward hooks warn
+        warnings.simplefilter("ignore", UserWarning)
+        laplace.fit(
+            DataLoader(TensorDataset(model.train_X, model.train_Y), batch_size=10)
+        )
+    want = laplace.posterior_precision.inv_square_form(J.reshape(3, 2, -1))
+    torch.testing.assert_close(got.covariance_matrix, want, rtol=1e-8, atol=1e-10)
+    mean, exact = post.joint_predictive(Xq)  # ContextBoTorch's own predictive
+    torch.testing.assert_close(got.mean, mean)  # (3, 2, 1)
+    assert not torch.allclose(got.covariance_matrix, exact)
+
+
 def test_paired_log10_difference_is_taken_over_the_seeds_both_ran() -> None:
     report = load_script(ROOT / "benchmarks/bayesopt/bayesopt_report.py", "bo_report")
 
