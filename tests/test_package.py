@@ -131,3 +131,29 @@ def test_each_xdist_worker_gives_torch_its_share_of_the_cores(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_dependency_admits_the_checked_laplace_releases_and_no_other():
+    """pip must not pick a laplace-torch release the package was not checked on.
+
+    laplace-torch 0.5.1 appeared on the package index with the package still
+    declaring ``laplace-torch>=0.2.3``; a fresh install took it and 111 tests failed.
+    The installed metadata (what pip reads) is checked, not the source file.
+    """
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    from laplace_diffjac.laplace_integration._functional_laplace import (
+        CHECKED_RELEASES,
+    )
+
+    (laplace_torch,) = [
+        Requirement(r)
+        for r in requires("laplace-diffjac") or []
+        if Requirement(r).name == "laplace-torch" and Requirement(r).marker is None
+    ]
+    for release in CHECKED_RELEASES:
+        assert laplace_torch.specifier.contains(".".join(map(str, release)))
+    for unchecked in ("0.2.2", "0.4", "0.5.1"):
+        assert not laplace_torch.specifier.contains(unchecked), unchecked
