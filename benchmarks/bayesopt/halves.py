@@ -12,7 +12,8 @@ iterations that lowered the regret and the share of candidate coordinates on
 the cube's faces, and whether the issue's criterion holds (ContextBoTorch's mean
 log10 regret at most LaplaceBoTorch's + 0.05, its loop at most 0.2 of the time,
 both shares no worse). A function with no records of both methods is listed as
-not run.
+not run. The header names every folder whose runs changed a surrogate setting
+of ``bayesopt.py`` (``--retrain-every 1``, say), read from its ``run.json``.
 
 Usage::
 
@@ -29,6 +30,7 @@ only (for a rerun of ``ours`` alone against the recorded reference).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -168,6 +170,53 @@ def table_lines(title: str, rows: list[dict], ours: str = OURS) -> list[str]:
     return lines
 
 
+#: The surrogates' settings of ``bayesopt.py`` (not the protocol's sizes, which
+#: the issue fixes): a folder whose runs changed one is an ablation, and says so.
+SURROGATE_SETTINGS = (
+    "epochs", "width", "locations", "location_steps", "retrain_every",
+    "marglik_iters", "finetune_epochs", "batch_limit", "maxiter",
+)  # fmt: skip
+
+
+def changed_settings(folder: pathlib.Path) -> dict[str, object]:
+    """The surrogate settings in which ``folder``'s runs left the defaults.
+
+    Read from the folder's ``run.json`` (every run recorded there); a setting
+    that differs between its runs is given as the list of its values.
+
+    Returns
+    -------
+    dict
+        Setting name to its value (``{}``: the defaults, or no ``run.json``).
+    """
+    path = folder / "run.json"
+    if not path.exists():
+        return {}
+    defaults = dataclasses.asdict(bayesopt.Config())
+    configs = [run["config"] for run in json.loads(path.read_text())["runs"]]
+    changed: dict[str, object] = {}
+    for name in SURROGATE_SETTINGS:
+        values = sorted({c[name] for c in configs if name in c})
+        if values and values != [defaults[name]]:
+            changed[name] = values[0] if len(values) == 1 else values
+    return changed
+
+
+def _settings_sentence(folders: list[pathlib.Path]) -> str:
+    """`` Settings other than bayesopt.py's defaults: ...`` or ``""``."""
+    parts = []
+    for folder in folders:
+        changed = changed_settings(folder)
+        if changed:
+            values = ", ".join(
+                f"`--{k.replace('_', '-')} {v}`" for k, v in changed.items()
+            )
+            parts.append(f"`{folder.name}/` {values}")
+    if not parts:
+        return ""
+    return " Settings other than `bayesopt.py`'s defaults: " + "; ".join(parts) + "."
+
+
 def report(
     runs: dict[int, list[pathlib.Path]],
     ours: str = OURS,
@@ -218,7 +267,8 @@ def report(
         "iterations that lowered the regret; on faces: the share of the "
         "candidates' coordinates on the cube's faces. Criterion (issue #44): mean "
         f"log10 at most {REFERENCE}'s + {LOG10_MARGIN}, time at most "
-        f"{TIME_RATIO}, both shares no worse.",
+        f"{TIME_RATIO}, both shares no worse."
+        + _settings_sentence([p for paths in runs.values() for p in paths]),
         "",
     ]
     data: dict = {}

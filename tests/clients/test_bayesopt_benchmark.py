@@ -8,6 +8,7 @@ update per iteration plus the initial fit, and appear in the report.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -355,3 +356,37 @@ def test_improving_iterations_are_split_at_the_first_retraining() -> None:
     # Iterations 1 and 3 of the first ten improved, then 11 of 11 and 12.
     assert a["improving_early"] == pytest.approx(0.2)
     assert a["improving_late"] == pytest.approx(0.5)
+
+
+def test_the_halves_report_names_the_settings_an_ablation_changed(
+    tmp_path: Path,
+) -> None:
+    """A folder whose run left a surrogate default (``--retrain-every 1``) is
+    named with it in the report's header; the protocol's sizes and a folder at
+    the defaults are not."""
+    halves = load_script(ROOT / "benchmarks/bayesopt/halves.py", "bo_halves")
+    defaults = dataclasses.asdict(halves.bayesopt.Config())
+    protocol = {**defaults, "initial": 8, "iterations": 24, "outcomes": "caller"}
+    for folder, config in (
+        ("ablation", {**protocol, "retrain_every": 1}),
+        ("recorded", protocol),
+    ):
+        (tmp_path / folder / "raw").mkdir(parents=True)
+        runs = {"runs": [{"command": "bayesopt.py", "config": config}]}
+        (tmp_path / folder / "run.json").write_text(json.dumps(runs))
+    assert halves.changed_settings(tmp_path / "ablation") == {"retrain_every": 1}
+    assert halves.changed_settings(tmp_path / "recorded") == {}
+    assert halves.changed_settings(tmp_path) == {}  # no run.json
+    records = [_record("beale", "LaplaceBoTorch", s, [10.0, 1.0]) for s in (0, 1)]
+    records += [_record("beale", "ContextBoTorch", s, [10.0, 1.0]) for s in (0, 1)]
+    for r in records:
+        name = f"{r['function']}_{r['method']}_{r['seed']}.json"
+        (tmp_path / "ablation" / "raw" / name).write_text(json.dumps(r))
+    out = tmp_path / "ABLATION.md"
+    halves.main(
+        ["--q1", str(tmp_path / "ablation"), str(tmp_path / "recorded"),
+         "--out", str(out)]
+    )  # fmt: skip
+    header = out.read_text().split("###")[0]
+    assert "`ablation/` `--retrain-every 1`" in header
+    assert "recorded/` `--" not in header and "--initial" not in header
