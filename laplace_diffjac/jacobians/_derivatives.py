@@ -136,21 +136,19 @@ def owning_modules(root: nn.Module, params: Sequence[torch.Tensor]) -> list[nn.M
     owners: list[nn.Module] = []
     found: set[int] = set()
     unsupported: list[str] = []
-    composite: list[str] = []  # prefixes of modules whose rule owns submodules
+    inside: set[int] = set()  # submodules of modules whose rule owns them
     for name, module in root.named_modules():
-        if any(name.startswith(prefix) for prefix in composite):
+        if id(module) in inside:
             continue
         recurse = isinstance(module, nn.MultiheadAttention)
         held = (
-            module.parameters()
-            if recurse
-            else (p for p in module._parameters.values() if p is not None)
+            module.parameters() if recurse else module._parameters.values()
         )  # the registry itself: parameters(recurse=False) costs three generators
-        own = [p for p in held if id(p) in wanted]
+        own = [p for p in held if p is not None and id(p) in wanted]
         if not own:
             continue
         if recurse:
-            composite.append(f"{name}." if name else "")
+            inside.update(id(m) for m in module.modules() if m is not module)
         found.update(id(p) for p in own)
         reason = _refusal(module, name)
         if reason is not None:
@@ -320,16 +318,17 @@ def param_jacobian_factors(
     for call, grads in zip(calls, output_grads):
         if all(g is None for g in grads):
             continue
-        rule = rule_for(call.module)
         grad = grads[0]
-        if rule is not None:
+        if type(call.module) is nn.Linear:  # the common case first: no rule
+            if grad is None:
+                continue
+            blocks = _linear_factors(call, grad, wanted)
+        elif (rule := rule_for(call.module)) is not None:
             blocks = rule(call, grads, wanted)
         elif uses_local_rule(call.module):
             blocks = local_factors(call, grads, wanted)
         elif grad is None:
             continue
-        elif type(call.module) is nn.Linear:
-            blocks = _linear_factors(call, grad, wanted)
         elif has_closed_form_conv(call.module):
             blocks = conv_factors(call, grad, wanted)
         else:

@@ -24,6 +24,7 @@ dropout in training mode draws the same masks in each.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -75,6 +76,7 @@ def recorded_forward(
         output is expanded to the batch.
 
     """
+    attends = may_attend(model)
     copied: set[int] = set()
     expanded: set[int] = set()
     first: Any = None
@@ -87,7 +89,7 @@ def recorded_forward(
         )
         with recording as calls, batch_first_encoders(model):
             # the composite attention kernel: batched and double backward work
-            with sdpa_kernel([SDPBackend.MATH]):
+            with sdpa_kernel([SDPBackend.MATH]) if attends else nullcontext():
                 f = model(x)
         first = f if first is None else first
         written = {id(c.module) for c in calls if c.modified_in_place()}
@@ -122,6 +124,25 @@ def recorded_forward(
             "laplace_diffjac.DiffFuncGGN."
         )
     return calls, f
+
+
+def may_attend(model: nn.Module) -> bool:
+    """Whether ``model``'s forward may call ``scaled_dot_product_attention``.
+
+    torch.nn's own modules call it only through ``MultiheadAttention`` (which
+    the transformer layers hold); a module of any other type may call it
+    itself. Choosing the attention kernel costs as much as a small layer's
+    forward, so a model of torch.nn's other modules runs without it.
+
+    Returns
+    -------
+    bool
+    """
+    return any(
+        isinstance(m, nn.MultiheadAttention)
+        or not type(m).__module__.startswith("torch.nn.modules.")
+        for m in model.modules()
+    )
 
 
 class _RandomState:

@@ -168,6 +168,7 @@ class _Recorder:
         forward = self.forwards.get(type(module))
         if forward is not None:
             call, replaced = forward(module, tuple(inputs), kwargs)
+            call = replace(call, versions=versions(call.tensors()))
         else:
             if id(module) in self.expanded_calls:
                 output = _expanded(output, self.batch)
@@ -175,8 +176,10 @@ class _Recorder:
             if replaced is None and id(module) in self.expanded_calls:
                 replaced = output
             tensors = tuple(tensors_in(output if replaced is None else replaced))
-            call = LayerCall(module, tuple(inputs), tensors[0], kwargs, tensors)
-        self.calls.append(replace(call, versions=versions(call.tensors())))
+            inputs = tuple(inputs)
+            seen = versions(tensors_in((inputs, kwargs, tensors)))  # call.tensors()
+            call = LayerCall(module, inputs, tensors[0], kwargs, tensors, seen)
+        self.calls.append(call)
         if id(module) in self.copied_calls:
             return copied(output if replaced is None else replaced)
         return replaced
@@ -220,6 +223,8 @@ def _apart(output: object) -> object | None:
         view of it; ``None`` if fewer than two do (nothing to replace).
 
     """
+    if isinstance(output, torch.Tensor):  # one tensor: nothing to set apart
+        return None
     if sum(t.requires_grad for t in tensors_in(output)) < 2:
         return None
     return tree_map(

@@ -11,11 +11,12 @@ this package writes into a tensor in place.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -41,7 +42,7 @@ class _AttributeSnapshot:
         self.obj = obj
         self.attrs = vars(obj).copy()
         self.keys = tuple(self.attrs)
-        self.ids = [id(v) for v in self.attrs.values()]  # alive: ``attrs`` holds them
+        self.ids = [*map(id, self.attrs.values())]  # alive: ``attrs`` holds them
 
     def restore(self) -> None:
         current = vars(self.obj)
@@ -55,24 +56,25 @@ class _AttributeSnapshot:
 
 
 class _ModuleSnapshot(_AttributeSnapshot):
-    """A module's attributes and the keys of its hook dictionaries."""
+    """A module's attributes and the keys of its hook dictionaries.
+
+    The hook dictionaries themselves are held (a replaced one is put back by
+    the attributes' restore), each with its keys in order: most are empty, so
+    a snapshot and the check that nothing was added cost a length each.
+    """
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module)
-        self.hook_keys = [
-            (name, frozenset(d))
-            for name in _HOOK_DICTS
-            if isinstance(d := self.attrs.get(name), dict)
-        ]
+        held = map(self.attrs.get, _HOOK_DICTS)
+        self.hooks = [(d, tuple(d)) for d in held if isinstance(d, dict)]
 
     def restore(self) -> None:
         super().restore()
-        current = vars(self.obj)
-        for name, keys in self.hook_keys:
-            hooks = current[name]
-            if len(hooks) != len(keys) or hooks.keys() != keys:
-                for key in [k for k in hooks if k not in keys]:
-                    del hooks[key]
+        for hooks, keys in self.hooks:
+            if len(hooks) == len(keys) and (not keys or tuple(hooks) == keys):
+                continue
+            for key in [k for k in hooks if k not in keys]:
+                del hooks[key]
 
 
 class _TensorSnapshot(_AttributeSnapshot):
@@ -139,3 +141,58 @@ def _tensors_of(module: nn.Module) -> Iterable[torch.Tensor]:
         for tensor in registry.values():
             if tensor is not None:
                 yield tensor
+
+
+def guarded(model: nn.Module, plain: bool) -> AbstractContextManager[None]:
+    """:func:`preserved_state` of ``model``, unless only torch's own code will run.
+
+    The snapshot costs more than a small model's forward pass. The engine
+    removes what it installs itself (its hooks, in ``finally``), so the guard is
+    there for code the package does not control: hooks, process-wide module
+    hooks, and the forward passes of modules that are not torch.nn's own
+    (:func:`runs_only_torch_modules`). A model without any of them runs none.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model about to be run forward and differentiated in its outputs.
+    plain : bool
+        :func:`runs_only_torch_modules` of ``model``.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager
+        :func:`preserved_state` or a ``nullcontext``.
+    """
+    return nullcontext() if plain else preserved_state(model)
+
+
+def runs_only_torch_modules(model: nn.Module) -> bool:
+    """Whether ``model`` is made of torch.nn's own modules and no hook can fire.
+
+    Every module's class is defined in ``torch.nn.modules`` (subclasses, models
+    of other libraries and parametrised modules are not), no module holds a
+    hook, and no process-wide module hook is registered. Their forward passes
+    and the gradients of their outputs write no attribute and no ``.grad``.
+
+    Returns
+    -------
+    bool
+        ``False`` also where this torch does not say whether process-wide
+        hooks exist.
+    """
+    global_hooks = getattr(_torch_module, "_has_any_global_hook", None)
+    if global_hooks is None or global_hooks():
+        return False
+    for module in model.modules():
+        if not type(module).__module__.startswith("torch.nn.modules."):
+            return False
+        held = vars(module)  # the dictionaries torch's own call checks
+        if (
+            held.get("_forward_hooks")
+            or held.get("_forward_pre_hooks")
+            or held.get("_backward_hooks")
+            or held.get("_backward_pre_hooks")
+        ):
+            return False
+    return True

@@ -7,6 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 _NO_INPUT_GRAD = "Full backward hook is firing when gradients are computed"
+_BATCHING_LOOP = (
+    "There is a performance drop because we have not yet implemented the batching rule"
+)
 
 
 @contextmanager
@@ -42,10 +45,24 @@ def quiet_batching_fallbacks() -> Iterator[None]:
 
     """
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore",
-            message="There is a performance drop because we have not yet "
-            "implemented the batching rule",
-            category=UserWarning,
-        )
+        warnings.filterwarnings("ignore", message=_BATCHING_LOOP, category=UserWarning)
+        yield
+
+
+@contextmanager
+def quiet_signal_pass() -> Iterator[None]:
+    """Both of the above, for the engine's signal pass, in one ``catch_warnings``.
+
+    Each ``catch_warnings`` copies the filter list and each filter resets the
+    warning caches: at Bayesian-optimisation sizes one costs as much as a small
+    matrix product, and the signal pass runs once per batch.
+
+    Yields
+    ------
+    None
+
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD)
+        warnings.filterwarnings("ignore", message=_BATCHING_LOOP, category=UserWarning)
         yield

@@ -92,6 +92,11 @@ def prior_variance(
         If the precision is not positive or its length is neither 1 nor ``P``.
 
     """
+    if isinstance(prior_precision, (int, float)):  # no tensor, no check on it
+        if not prior_precision > 0:
+            raise ValueError("prior_precision must be positive.")
+        number = torch.as_tensor(prior_precision, device=like.device, dtype=like.dtype)
+        return number.reciprocal()
     prec = torch.as_tensor(prior_precision, device=like.device, dtype=like.dtype)
     if prec.numel() == 1:
         prec = prec.reshape(())

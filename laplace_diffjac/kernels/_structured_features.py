@@ -180,9 +180,9 @@ def chain_features(
             return None
         entry = entries[0]
         if isinstance(entry, Product) and entry.g.shape[3] == 1:
-            signal = entry.g[..., 0]  # (B, V, out)
+            signal = entry.g.select(3, 0)  # (B, V, out)
         elif isinstance(entry, Summed) and entry.g.shape[3] == 1:
-            signal = entry.g[..., 0].transpose(0, 1)
+            signal = entry.g.select(3, 0).transpose(0, 1)
         else:
             return None
         is_weight = isinstance(entry, Product)
@@ -193,7 +193,7 @@ def chain_features(
             layers.append(layer)
         if is_weight:
             assert isinstance(entry, Product)
-            layer.weight, layer.input = True, entry.a[:, 0]
+            layer.weight, layer.input = True, entry.a.select(1, 0)
         else:
             layer.bias = True
     if not layers:
@@ -288,13 +288,13 @@ def feature_gram(
             identity = scale if identity is None else identity + scale
             continue
         gram = (g1.reshape(n1 * c, -1) @ g2.reshape(n2 * c, -1).T).view(n1, c, n2, c)
-        scale = scale[:, None, :, None]
+        scale = scale.reshape(n1, 1, n2, 1)
         kernel = scale * gram if kernel is None else torch.addcmul(kernel, scale, gram)
     if kernel is None:
         assert identity is not None
         kernel = identity.new_zeros((n1, c, n2, c))
     if identity is not None:  # add to the (c, c) diagonals only
-        kernel.diagonal(dim1=1, dim2=3).add_(identity[:, :, None])
+        kernel.diagonal(dim1=1, dim2=3).add_(identity.unsqueeze(2))
     return kernel.reshape(n1 * c, n2 * c)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from laplace_diffjac import DiffBackPackGGN, UnsupportedModuleError
 from tests.backends.audit_cases import CASES
@@ -33,3 +34,17 @@ def test_factors_are_cut_from_the_graph_without_enable_backprop(name: str) -> No
     assert not any(t.requires_grad for t in _tensors(cut))
     kept = backend.jacobian_factors(x, enable_backprop=True)
     assert any(t.requires_grad for t in _tensors(kept))
+
+
+def test_the_attention_kernel_is_chosen_wherever_attention_may_run() -> None:
+    from laplace_diffjac.jacobians._forward import may_attend
+
+    class Net(nn.Module):  # a forward of its own may call it
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+    assert not may_attend(nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1)))
+    assert may_attend(Net())
+    assert may_attend(nn.Sequential(nn.MultiheadAttention(4, 2)))
+    assert may_attend(nn.TransformerEncoderLayer(4, 2, 8))

@@ -6,7 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_diffjac.jacobians._model_guard import preserved_state
+from laplace_diffjac.jacobians._engine import jacobian_factors
+from laplace_diffjac.jacobians._model_guard import (
+    preserved_state,
+    runs_only_torch_modules,
+)
 
 
 def _model() -> nn.Sequential:
@@ -89,3 +93,41 @@ def test_a_replaced_hook_dict_is_put_back():
     with preserved_state(model):
         model[0]._forward_hooks = {}
     assert model[0]._forward_hooks is hooks and len(hooks) == 1
+
+
+def test_only_torch_modules_without_hooks_run_unguarded():
+    model = _model()
+    assert runs_only_torch_modules(model)
+    model[1].register_forward_pre_hook(lambda *a: None)
+    assert not runs_only_torch_modules(model)
+
+
+def test_a_backward_hook_a_subclass_or_a_global_hook_asks_for_the_guard():
+    hooked = _model()
+    hooked[2].register_full_backward_hook(lambda *a: None)
+    assert not runs_only_torch_modules(hooked)
+
+    class Tanh(nn.Tanh):
+        pass
+
+    assert not runs_only_torch_modules(nn.Sequential(nn.Linear(3, 2), Tanh()))
+    model = _model()
+    handle = nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert not runs_only_torch_modules(model)
+    finally:
+        handle.remove()
+    assert runs_only_torch_modules(model)
+
+
+def test_what_a_users_hook_writes_during_the_engine_is_undone():
+    model = _model()
+
+    def note(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        module.seen = output.shape  # the user's hook writes an attribute
+
+    model[0].register_forward_hook(note)
+    params = list(model.parameters())
+    jacobian_factors(model, torch.randn(4, 3), params)
+    assert not hasattr(model[0], "seen")
+    assert len(model[0]._forward_hooks) == 1  # the user's hook stays
