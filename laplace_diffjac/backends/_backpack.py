@@ -31,12 +31,14 @@ from ..jacobians._curvature import (
 from ..jacobians._engine import (
     JacobianFactors,
     jacobian_factors,
+    jacobian_pieces,
     parameter_jacobians,
     per_sample_gradients,
 )
 from ..jacobians._inputs import check_mapping_or_tensor_batch
 from ..jacobians._kronecker import check_kfac_approx
 from ..jacobians._last_layer import last_layer_jacobians
+from ..jacobians._linear_layers import LinearSignals
 from ._chunking import (
     DEFAULT_JACOBIAN_BUDGET,
     ChunkedCurvature,
@@ -152,6 +154,37 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
         """
         check_mapping_or_tensor_batch(x, self.model, self._name)
         return jacobian_factors(
+            self.model,
+            x,
+            self.params,
+            root=self._model,  # type: ignore[attr-defined]
+            enable_backprop=enable_backprop,
+        )
+
+    def jacobian_pieces(
+        self, x: torch.Tensor | Mapping[str, Any], enable_backprop: bool = False
+    ) -> LinearSignals | JacobianFactors:
+        """The Linear layers' inputs and signals where they are all, else factors.
+
+        What :func:`laplace_diffjac.kernels.ntk` contracts layer by layer, from
+        one pass (:func:`laplace_diffjac.jacobians._engine.jacobian_pieces`).
+
+        Parameters
+        ----------
+        x : torch.Tensor or Mapping
+            Input batch ``(batch, *input_shape)`` or a dict-like batch.
+        enable_backprop : bool, default=False
+            Keep the pieces connected to the graph of ``x`` and the parameters.
+
+        Returns
+        -------
+        LinearSignals or JacobianFactors
+            The former where every parameter belongs to an ``nn.Linear`` called
+            once on one feature vector per input.
+
+        """
+        check_mapping_or_tensor_batch(x, self.model, self._name)
+        return jacobian_pieces(
             self.model,
             x,
             self.params,

@@ -11,7 +11,9 @@
    BackPACK's derivatives otherwise) turn the signals at each module into factors
    of the per-sample parameter Jacobians, which :mod:`.jacobian_blocks` writes
    straight into one ``(batch, C, P)`` tensor (no per-block copies, no
-   concatenation) with a backward pass of its own.
+   concatenation) with a backward pass of its own. Where every parameter is a
+   plain ``nn.Linear``'s, the NTK takes the layers' inputs and signals as they
+   are instead (:mod:`._linear_layers`, :func:`jacobian_pieces`).
 
 For the curvature (:func:`row_chunked_factors`), step 2 sends the rows of the
 loss Hessian's square root back a chunk at a time after the one forward, and each
@@ -45,6 +47,7 @@ from ._elementary import rewritten_modules
 from ._forward import recorded_forward
 from ._inputs import batch_size, check_model_output, detached
 from ._layer_calls import LayerCall
+from ._linear_layers import LinearSignals, linear_signals
 from ._model_guard import guarded, preserved_state, runs_only_torch_modules
 from ._warnings import quiet_full_backward_hook_warning, quiet_signal_pass
 
@@ -274,6 +277,53 @@ def jacobian_factors(
         ``enable_backprop``, else detached.
 
     """
+    pieces = _pieces(
+        model, x, params, root, enable_backprop, selected_outputs, linear=False
+    )
+    assert isinstance(pieces, JacobianFactors)
+    return pieces
+
+
+def jacobian_pieces(
+    model: nn.Module,
+    x: torch.Tensor | Mapping,
+    params: Sequence[torch.Tensor],
+    *,
+    root: nn.Module | None = None,
+    enable_backprop: bool = False,
+) -> LinearSignals | JacobianFactors:
+    """The Linear layers' inputs and signals where they are all, else the factors.
+
+    One pass, as :func:`jacobian_factors`; where every parameter belongs to an
+    ``nn.Linear`` called once on one feature vector per input, its step 3 is
+    :func:`._linear_layers.linear_signals`, which the NTK's layer-wise Gram
+    takes directly. Arguments as for :func:`jacobian_factors`.
+
+    Returns
+    -------
+    LinearSignals or JacobianFactors
+        Differentiable with respect to ``x`` and the parameters if
+        ``enable_backprop``, else detached.
+
+    """
+    return _pieces(model, x, params, root, enable_backprop, None, linear=True)
+
+
+def _pieces(
+    model: nn.Module,
+    x: torch.Tensor | Mapping,
+    params: Sequence[torch.Tensor],
+    root: nn.Module | None,
+    enable_backprop: bool,
+    selected_outputs: torch.Tensor | None,
+    linear: bool,
+) -> LinearSignals | JacobianFactors:
+    """Steps 1 to 3: the Linear layers' signals if ``linear`` and they apply.
+
+    Returns
+    -------
+    LinearSignals or JacobianFactors
+    """
     root = model if root is None else root
     batch = batch_size(x)
     x_in = x if enable_backprop else detached(x)
@@ -283,16 +333,27 @@ def jacobian_factors(
             model, x_in, root, params, batch, graph=enable_backprop
         )
         signals = _output_signals(f2, selected_outputs)
+        n_rows = int(signals.shape[0])
         targets = [c.signal_targets() for c in calls]
         # hooks of a user-extended model; vmap's loop for e.g. Bilinear's backward
-        with nullcontext() if plain and len(signals) == 1 else quiet_signal_pass():
+        with nullcontext() if plain and n_rows == 1 else quiet_signal_pass():
             flat = _batched_grad(
                 f2, [t for ts in targets for t in ts], signals, enable_backprop
             )
         grads = _regroup(flat, targets)
         with torch.set_grad_enabled(enable_backprop):
-            factors = param_jacobian_factors(calls, grads, params)
-    result = JacobianFactors(factors, f, int(signals.shape[0]), batch)
+            found = (
+                linear_signals(calls, grads, params, f, n_rows, batch)
+                if linear
+                else None
+            )
+            result: LinearSignals | JacobianFactors = (
+                JacobianFactors(
+                    param_jacobian_factors(calls, grads, params), f, n_rows, batch
+                )
+                if found is None
+                else found
+            )
     # The recorded layer inputs hang on the forward's graph through the
     # parameters: cut every factor, not only the output, for every caller.
     return result if enable_backprop else result.detach()

@@ -21,7 +21,8 @@ from typing import Any, Protocol, Union, cast
 import torch
 
 from ..backends import JacobianBackend
-from ..jacobians._engine import JacobianFactors, jacobian_factors
+from ..jacobians._engine import JacobianFactors, jacobian_factors, jacobian_pieces
+from ..jacobians._linear_layers import LinearSignals
 from ._factor_gram import factor_gram
 from ._structured import supports_structured_ntk
 from ._structured_features import (
@@ -29,6 +30,7 @@ from ._structured_features import (
     chain_features,
     feature_diag,
     feature_gram,
+    linear_features,
 )
 
 #: What :func:`engine_pieces` gives for one batch.
@@ -145,12 +147,37 @@ def engine_pieces(
     -------
     NTKFeatures or JacobianFactors
     """
-    factors = engine_factors(backend, x, graph)
-    pieces: EnginePieces = factors
-    if regroup:
-        features = chain_features(factors, list(backend.params))
-        pieces = factors if features is None else features
+    pieces = (
+        _regrouped(backend, x, graph) if regroup else engine_factors(backend, x, graph)
+    )
     return pieces if dtype is None else pieces.to(dtype)
+
+
+def _regrouped(backend: JacobianBackend, x: Any, graph: bool) -> EnginePieces:
+    """A batch's Linear features where they apply, else its factors.
+
+    From the backend's ``jacobian_pieces`` where it has one, else from the
+    engine over its model (either gives the Linear layers' inputs and signals
+    straight off the pass where every parameter is a Linear layer's); from a
+    backend with factors only, those factors regrouped.
+
+    Returns
+    -------
+    NTKFeatures or JacobianFactors
+    """
+    params = list(backend.params)
+    source = getattr(backend, "jacobian_pieces", None)
+    raw: LinearSignals | JacobianFactors
+    if callable(source):
+        raw = source(x, enable_backprop=graph)
+    elif _factor_source(backend) is not None:
+        raw = engine_factors(backend, x, graph)
+    else:
+        raw = jacobian_pieces(backend.model, x, params, enable_backprop=graph)
+    if isinstance(raw, LinearSignals):
+        return linear_features(raw)
+    features = chain_features(raw, params)
+    return raw if features is None else features
 
 
 def pieces_gram(

@@ -10,10 +10,9 @@ Hence (Novak et al. 2022, "Fast finite width neural tangent kernel")
 
 which costs ``B1·B2·(width_in + C²·width_out)`` per layer instead of
 ``B1·B2·C²·P``, and needs memory ``B1·B2·C²`` plus the activations, never
-``B·C·P``. The ``a_{l-1}`` and ``g_l`` are the Jacobian engine's per-layer
-factors (:func:`laplace_diffjac.jacobians._engine.jacobian_factors`, regrouped
-by :func:`._structured_features.chain_features`): the engine is the package's one
-walker of a model. Everything is ordinary autograd, so the result is
+``B·C·P``. The ``a_{l-1}`` and ``g_l`` are read off the Jacobian engine's pass
+(:func:`laplace_diffjac.jacobians._engine.jacobian_pieces`): the engine is the
+package's one walker of a model. Everything is ordinary autograd, so the result is
 differentiable with respect to both inputs and the parameters.
 """
 
@@ -24,8 +23,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..jacobians._engine import jacobian_factors
-from ._structured_features import NTKFeatures, chain_features, feature_gram
+from ..jacobians._engine import jacobian_pieces
+from ..jacobians._linear_layers import LinearSignals
+from ._structured_features import (
+    NTKFeatures,
+    chain_features,
+    feature_gram,
+    linear_features,
+)
 
 #: Elementwise activations a chain may hold (the engine differentiates them).
 ACTIVATIONS = (
@@ -194,10 +199,12 @@ def structured_features(model: nn.Module, x: torch.Tensor) -> NTKFeatures:
     """
     check_structured(model)
     params = _default_params(model)
-    factors = jacobian_factors(
-        model, x, params, enable_backprop=torch.is_grad_enabled()
+    pieces = jacobian_pieces(model, x, params, enable_backprop=torch.is_grad_enabled())
+    features = (
+        linear_features(pieces)
+        if isinstance(pieces, LinearSignals)
+        else chain_features(pieces, params)
     )
-    features = chain_features(factors, params)
     if features is None:
         raise ValueError(
             "structured_ntk needs (batch, features) inputs to every Linear layer; "

@@ -7,16 +7,18 @@ outer product ``g_l[c] ⊗ a_{l-1}``, its bias's is ``g_l[c]``),
     J(x1) J(x2)ᵀ = Σ_l (a_{l-1}(x1)·a_{l-1}(x2) + 1[bias]) · g_l(x1) g_l(x2)ᵀ.
 
 :class:`NTKFeatures` holds, for one batch, the layer inputs ``a_{l-1}`` and the
-output signals ``g_l`` of every such layer. They are the Jacobian engine's
-per-layer factors (:func:`laplace_diffjac.jacobians._engine.jacobian_factors`)
-regrouped by layer (:func:`chain_features`), a weight and its bias sharing one
-signal, whatever the model's module structure: one walker of the model, the
-engine's. They depend on one side only: a caller that pairs many location
-batches with the same training inputs computes the training side once and
-reuses it; :func:`feature_gram` and :func:`feature_diag` contract two sides or
-one side with itself, and the location optimiser's Functions
-(:mod:`._cross_gram`, :mod:`._symmetric_gram`) do so with a cheaper backward
-pass than autograd's through the engine's general factor Gram.
+output signals ``g_l`` of every such layer, whatever the model's module
+structure: one walker of the model, the engine's. Where every parameter is an
+``nn.Linear``'s they come straight off its pass (:func:`linear_features` of
+:func:`laplace_diffjac.jacobians._engine.jacobian_pieces`); otherwise its
+per-layer factors are regrouped by layer (:func:`chain_features`), a weight and
+its bias sharing one signal. They depend on one side only: a caller that
+pairs many location batches with the same training inputs computes the
+training side once and reuses it; :func:`feature_gram` and
+:func:`feature_diag` contract two sides or one side with itself, and the
+location optimiser's Functions (:mod:`._cross_gram`, :mod:`._symmetric_gram`)
+do so with a cheaper backward pass than autograd's through the engine's
+general factor Gram.
 """
 
 from __future__ import annotations
@@ -28,8 +30,16 @@ import torch
 
 from ..jacobians._assembly import Product, Summed
 from ..jacobians._engine import JacobianFactors
+from ..jacobians._linear_layers import LinearSignals
 
-__all__ = ["NTKFeatures", "aligned", "chain_features", "feature_diag", "feature_gram"]
+__all__ = [
+    "NTKFeatures",
+    "aligned",
+    "chain_features",
+    "feature_diag",
+    "feature_gram",
+    "linear_features",
+]
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,31 @@ def chain_features(
         tuple(layer.weight for layer in layers),
         tuple(layer.bias for layer in layers),
         factors.n_rows,
+    )
+
+
+def linear_features(layers: LinearSignals) -> NTKFeatures:
+    """The engine's Linear layers as features (:func:`chain_features` without factors).
+
+    Parameters
+    ----------
+    layers : LinearSignals
+        One batch's layer inputs and signals, straight from the engine.
+
+    Returns
+    -------
+    NTKFeatures
+        Equal to :func:`chain_features` of the same pass's factors: the same
+        layers in the same order, constant identity signals marked ``None``.
+        Differentiable as the layers are.
+
+    """
+    return NTKFeatures(
+        layers.inputs,
+        tuple(None if _is_identity(g) else g for g in layers.signals),
+        layers.weight,
+        layers.bias,
+        layers.n_rows,
     )
 
 
