@@ -15,8 +15,8 @@ respect to the input and the parameters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 from laplace.curvature import BackPackEF, BackPackGGN, BackPackInterface
@@ -44,6 +44,9 @@ from ._chunking import (
     ChunkedCurvature,
     check_budget,
 )
+
+#: What an engine entry point returns (:meth:`_SideEffectFreeBackPack._engine_pass`).
+_Pieces = TypeVar("_Pieces")
 
 
 class _SideEffectFreeBackPack(ChunkedCurvature):
@@ -152,14 +155,7 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
             Factors keyed by ``id`` of each entry of ``self.params``.
 
         """
-        check_mapping_or_tensor_batch(x, self.model, self._name)
-        return jacobian_factors(
-            self.model,
-            x,
-            self.params,
-            root=self._model,  # type: ignore[attr-defined]
-            enable_backprop=enable_backprop,
-        )
+        return self._engine_pass(jacobian_factors, x, enable_backprop)
 
     def jacobian_pieces(
         self, x: torch.Tensor | Mapping[str, Any], enable_backprop: bool = False
@@ -183,8 +179,23 @@ class _SideEffectFreeBackPack(ChunkedCurvature):
             once on one feature vector per input.
 
         """
+        return self._engine_pass(jacobian_pieces, x, enable_backprop)
+
+    def _engine_pass(
+        self,
+        engine: Callable[..., _Pieces],
+        x: torch.Tensor | Mapping[str, Any],
+        enable_backprop: bool,
+    ) -> _Pieces:
+        """An engine entry point over this backend's model and parameters.
+
+        Returns
+        -------
+        object
+            What ``engine`` returns for ``x``, checked first.
+        """
         check_mapping_or_tensor_batch(x, self.model, self._name)
-        return jacobian_pieces(
+        return engine(
             self.model,
             x,
             self.params,
