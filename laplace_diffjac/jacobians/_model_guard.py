@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from itertools import chain
 from typing import Any
 
 import torch
@@ -31,63 +32,66 @@ _HOOK_DICTS = (
 )
 
 
-class _AttributeSnapshot:
-    """The attribute dictionary of one object, shallowly copied.
+class _StateSnapshot:
+    """Every object's attributes, the modules' hook keys, the tensors' ``.grad``.
 
-    Restoring compares first the keys in order and the values' identities, in
-    C; only a dictionary that changed is walked key by key.
+    Taken for all objects at once, and compared at once on restore: the keys
+    of every attribute dictionary in order with the identities of their
+    values, the hook dictionaries' lengths (and keys where there are any) and
+    the ``.grad`` objects, each in one pass in C. Only when something differs
+    is every object put back on its own.
     """
 
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-        self.attrs = vars(obj).copy()
-        self.keys = tuple(self.attrs)
-        self.ids = [*map(id, self.attrs.values())]  # alive: ``attrs`` holds them
+    def __init__(self, modules: list[nn.Module], tensors: list[torch.Tensor]) -> None:
+        self.objects: list[Any] = [*modules, *tensors]
+        self.saved = [vars(o).copy() for o in self.objects]  # keeps the values alive
+        self.fingerprint = _fingerprint(self.objects)
+        self.hooks = [
+            hooks
+            for module in modules
+            for hooks in map(vars(module).get, _HOOK_DICTS)
+            if isinstance(hooks, dict)
+        ]
+        self.lengths = [*map(len, self.hooks)]
+        self.keys = {i: tuple(hooks) for i, hooks in enumerate(self.hooks) if hooks}
+        self.tensors = tensors
+        self.grads = [t.grad for t in tensors]
+
+    def unchanged(self) -> bool:
+        """Whether nothing was added, rebound, deleted or registered."""
+        return (
+            _fingerprint(self.objects) == self.fingerprint
+            and [*map(len, self.hooks)] == self.lengths
+            and all(tuple(self.hooks[i]) == keys for i, keys in self.keys.items())
+            and all(t.grad is g for t, g in zip(self.tensors, self.grads))
+        )
 
     def restore(self) -> None:
-        current = vars(self.obj)
-        if tuple(current) == self.keys and [*map(id, current.values())] == self.ids:
+        """Put every attribute, hook dictionary and ``.grad`` back."""
+        if self.unchanged():
             return
-        for key in [k for k in current if k not in self.attrs]:
-            del current[key]
-        for key, value in self.attrs.items():
-            if key not in current or current[key] is not value:
-                current[key] = value
-
-
-class _ModuleSnapshot(_AttributeSnapshot):
-    """A module's attributes and the keys of its hook dictionaries.
-
-    The hook dictionaries themselves are held (a replaced one is put back by
-    the attributes' restore), each with its keys in order: most are empty, so
-    a snapshot and the check that nothing was added cost a length each.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__(module)
-        held = map(self.attrs.get, _HOOK_DICTS)
-        self.hooks = [(d, tuple(d)) for d in held if isinstance(d, dict)]
-
-    def restore(self) -> None:
-        super().restore()
-        for hooks, keys in self.hooks:
-            if len(hooks) == len(keys) and (not keys or tuple(hooks) == keys):
-                continue
-            for key in [k for k in hooks if k not in keys]:
+        for obj, saved in zip(self.objects, self.saved):
+            current = vars(obj)
+            for key in [k for k in current if k not in saved]:
+                del current[key]
+            for key, value in saved.items():
+                if key not in current or current[key] is not value:
+                    current[key] = value
+        for i, hooks in enumerate(self.hooks):  # the saved dictionaries, put back
+            kept = self.keys.get(i, ())
+            for key in [k for k in hooks if k not in kept]:
                 del hooks[key]
+        for tensor, grad in zip(self.tensors, self.grads):
+            if tensor.grad is not grad:
+                tensor.grad = grad
 
 
-class _TensorSnapshot(_AttributeSnapshot):
-    """A tensor's ``.grad`` and its extra Python attributes (e.g. ``grad_batch``)."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        super().__init__(tensor)
-        self.grad = tensor.grad
-
-    def restore(self) -> None:
-        if self.obj.grad is not self.grad:
-            self.obj.grad = self.grad
-        super().restore()
+def _fingerprint(objects: list[Any]) -> tuple[list[str], list[int]]:
+    """The attribute names of ``objects`` in order and their values' identities."""
+    held = [vars(o) for o in objects]
+    return [*chain.from_iterable(held)], [
+        *map(id, chain.from_iterable(map(dict.values, held)))
+    ]
 
 
 @contextmanager
@@ -105,7 +109,8 @@ def preserved_state(*modules: nn.Module | None) -> Iterator[None]:
     None
 
     """
-    snapshots: list[_AttributeSnapshot] = []
+    walked: list[nn.Module] = []
+    tensors: list[torch.Tensor] = []
     seen: set[int] = set()
     for root in modules:
         if root is None:
@@ -114,16 +119,16 @@ def preserved_state(*modules: nn.Module | None) -> Iterator[None]:
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            snapshots.append(_ModuleSnapshot(module))
+            walked.append(module)
             for tensor in _tensors_of(module):
                 if id(tensor) not in seen:
                     seen.add(id(tensor))
-                    snapshots.append(_TensorSnapshot(tensor))
+                    tensors.append(tensor)
+    snapshot = _StateSnapshot(walked, tensors)
     try:
         yield
     finally:
-        for snapshot in snapshots:
-            snapshot.restore()
+        snapshot.restore()
 
 
 def _tensors_of(module: nn.Module) -> Iterable[torch.Tensor]:
