@@ -48,7 +48,7 @@ from ._forward import recorded_forward
 from ._inputs import batch_size, check_model_output, detached
 from ._layer_calls import LayerCall
 from ._linear_layers import LinearSignals, linear_signals
-from ._model_guard import guarded, preserved_state, runs_only_torch_modules
+from ._model_guard import guarded, preserved_state, survey
 from ._warnings import quiet_full_backward_hook_warning, quiet_signal_pass
 
 #: Bytes of output signals that :func:`row_chunked_factors` sends back at once:
@@ -327,8 +327,8 @@ def _pieces(
     root = model if root is None else root
     batch = batch_size(x)
     x_in = x if enable_backprop else detached(x)
-    plain = runs_only_torch_modules(model)
-    with guarded(model, plain), torch.enable_grad():
+    surveyed = survey(model)
+    with guarded(model, surveyed.plain), torch.enable_grad():
         calls, f, f2 = _checked_forward(
             model, x_in, root, params, batch, graph=enable_backprop
         )
@@ -336,7 +336,8 @@ def _pieces(
         n_rows = int(signals.shape[0])
         targets = [c.signal_targets() for c in calls]
         # hooks of a user-extended model; vmap's loop for e.g. Bilinear's backward
-        with nullcontext() if plain and n_rows == 1 else quiet_signal_pass():
+        quiet = not surveyed.hook_free or n_rows > 1
+        with quiet_signal_pass() if quiet else nullcontext():
             flat = _batched_grad(
                 f2, [t for ts in targets for t in ts], signals, enable_backprop
             )

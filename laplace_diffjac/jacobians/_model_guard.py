@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -162,7 +163,7 @@ def guarded(model: nn.Module, plain: bool) -> AbstractContextManager[None]:
     model : torch.nn.Module
         The model about to be run forward and differentiated in its outputs.
     plain : bool
-        :func:`runs_only_torch_modules` of ``model``.
+        :func:`runs_only_torch_modules` of ``model`` (:attr:`ModelSurvey.plain`).
 
     Returns
     -------
@@ -186,18 +187,52 @@ def runs_only_torch_modules(model: nn.Module) -> bool:
         ``False`` also where this torch does not say whether process-wide
         hooks exist.
     """
+    return survey(model).plain
+
+
+@dataclass(frozen=True)
+class ModelSurvey:
+    """What one walk of a model tells about the code a call of it may run.
+
+    Attributes
+    ----------
+    hook_free : bool
+        No module holds a forward or backward hook and no process-wide module
+        hook is registered (``False`` where this torch does not say).
+    torch_only : bool
+        Every module's class is defined in ``torch.nn.modules``.
+    """
+
+    hook_free: bool
+    torch_only: bool
+
+    @property
+    def plain(self) -> bool:
+        """Only torch.nn's own code, writing nothing, can run."""
+        return self.hook_free and self.torch_only
+
+
+def survey(model: nn.Module) -> ModelSurvey:
+    """Walk ``model`` once for :class:`ModelSurvey`.
+
+    Returns
+    -------
+    ModelSurvey
+    """
     global_hooks = getattr(_torch_module, "_has_any_global_hook", None)
-    if global_hooks is None or global_hooks():
-        return False
+    hook_free = global_hooks is not None and not global_hooks()
+    torch_only = True
     for module in model.modules():
-        if not type(module).__module__.startswith("torch.nn.modules."):
-            return False
+        if torch_only and not type(module).__module__.startswith("torch.nn.modules."):
+            torch_only = False
         held = vars(module)  # the dictionaries torch's own call checks
-        if (
+        if hook_free and (
             held.get("_forward_hooks")
             or held.get("_forward_pre_hooks")
             or held.get("_backward_hooks")
             or held.get("_backward_pre_hooks")
         ):
-            return False
-    return True
+            hook_free = False
+        if not (hook_free or torch_only):
+            break
+    return ModelSurvey(hook_free, torch_only)

@@ -8,8 +8,10 @@ from torch import nn
 
 from laplace_diffjac.jacobians._engine import jacobian_factors
 from laplace_diffjac.jacobians._model_guard import (
+    ModelSurvey,
     preserved_state,
     runs_only_torch_modules,
+    survey,
 )
 
 
@@ -131,3 +133,16 @@ def test_what_a_users_hook_writes_during_the_engine_is_undone():
     jacobian_factors(model, torch.randn(4, 3), params)
     assert not hasattr(model[0], "seen")
     assert len(model[0]._forward_hooks) == 1  # the user's hook stays
+
+
+def test_the_survey_tells_hooks_and_foreign_classes_apart():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _model()
+
+    assert survey(Net()) == ModelSurvey(hook_free=True, torch_only=False)
+    hooked = _model()
+    hooked[2].register_forward_hook(lambda *a: None)
+    assert survey(hooked) == ModelSurvey(hook_free=False, torch_only=True)
+    assert survey(_model()).plain
