@@ -345,7 +345,7 @@ def _pieces(
         with torch.set_grad_enabled(enable_backprop):
             found = (
                 linear_signals(calls, grads, params, f, n_rows, batch)
-                if linear
+                if linear and selected_outputs is None  # seeds: the identity
                 else None
             )
             result: LinearSignals | JacobianFactors = (

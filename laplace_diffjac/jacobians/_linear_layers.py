@@ -38,6 +38,10 @@ class LinearSignals:
         Per layer, the signals at its output ``(B, V, out)``.
     weight, bias : tuple of bool
         Per layer, whether its weight / bias is in the Jacobian.
+    identity : tuple of bool
+        Per layer, whether its output is the model's ``(B, C)`` output, so that
+        its signals are the seeds, the identity, by construction (no need to
+        compare them, which would wait for the device).
     f : torch.Tensor
         Model output as returned by the model, ``(B, C)`` or ``(B,)``.
     n_rows : int
@@ -51,6 +55,7 @@ class LinearSignals:
     signals: tuple[torch.Tensor, ...]
     weight: tuple[bool, ...]
     bias: tuple[bool, ...]
+    identity: tuple[bool, ...]
     f: torch.Tensor
     n_rows: int
     batch: int
@@ -62,6 +67,7 @@ class LinearSignals:
             tuple(g.detach() for g in self.signals),
             self.weight,
             self.bias,
+            self.identity,
             self.f.detach(),
             self.n_rows,
             self.batch,
@@ -104,7 +110,7 @@ def linear_signals(
     """
     position = {id(p): i for i, p in enumerate(params)}
     used: set[int] = set()
-    layers: list[tuple[int, torch.Tensor, torch.Tensor, bool, bool]] = []
+    layers: list[tuple[int, torch.Tensor, torch.Tensor, bool, bool, bool]] = []
     for call, signals in zip(calls, grads):
         module = call.module
         if type(module) is not nn.Linear:
@@ -124,7 +130,9 @@ def linear_signals(
         weight = id(module.weight) in position
         bias = module.bias is not None and id(module.bias) in position
         first = min(position[key] for key in own)
-        layers.append((first, a if weight else a.new_zeros(batch, 0), g, weight, bias))
+        seeded = call.output is f and f.dim() == 2  # its signals are the seeds
+        inputs = a if weight else a.new_zeros(batch, 0)
+        layers.append((first, inputs, g, weight, bias, seeded))
     if not layers:
         return None
     layers.sort(key=lambda layer: layer[0])
@@ -133,6 +141,7 @@ def linear_signals(
         tuple(layer[2].transpose(0, 1) for layer in layers),
         tuple(layer[3] for layer in layers),
         tuple(layer[4] for layer in layers),
+        tuple(layer[5] for layer in layers),
         f,
         n_rows,
         batch,

@@ -239,7 +239,10 @@ def linear_features(layers: LinearSignals) -> NTKFeatures:
     """
     return NTKFeatures(
         layers.inputs,
-        tuple(None if _is_identity(g) else g for g in layers.signals),
+        tuple(
+            None if seeded or _is_identity(g) else g
+            for g, seeded in zip(layers.signals, layers.identity)
+        ),
         layers.weight,
         layers.bias,
         layers.n_rows,

@@ -98,3 +98,16 @@ def test_a_weight_shared_by_two_layers_takes_the_factors() -> None:
     params = list(dict.fromkeys(model.parameters()))
     pieces = jacobian_pieces(model, torch.randn(2, 3), params)
     assert isinstance(pieces, JacobianFactors)
+
+
+def test_only_a_layer_whose_output_is_the_models_has_identity_signals() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 3)
+    model = _mlp()
+    last = jacobian_pieces(model, x, list(model.parameters()))
+    assert isinstance(last, LinearSignals) and last.identity == (False, True)
+    eye = torch.eye(2).expand(4, 2, 2)
+    torch.testing.assert_close(last.signals[1], eye, rtol=0, atol=0)
+    model = _TwoPaths()
+    inner = jacobian_pieces(model, x, list(model.parameters()))
+    assert isinstance(inner, LinearSignals) and inner.identity == (False, False)
