@@ -343,18 +343,12 @@ def _pieces(
             )
         grads = _regroup(flat, targets)
         with torch.set_grad_enabled(enable_backprop):
-            found = (
-                linear_signals(calls, grads, params, f, n_rows, batch)
-                if linear and selected_outputs is None  # seeds: the identity
-                else None
-            )
-            result: LinearSignals | JacobianFactors = (
-                JacobianFactors(
-                    param_jacobian_factors(calls, grads, params), f, n_rows, batch
-                )
-                if found is None
-                else found
-            )
+            result: LinearSignals | JacobianFactors | None = None
+            if linear and selected_outputs is None:  # seeds: the identity
+                result = linear_signals(calls, grads, params, f, n_rows, batch)
+            if result is None:
+                factors = param_jacobian_factors(calls, grads, params)
+                result = JacobianFactors(factors, f, n_rows, batch)
     # The recorded layer inputs hang on the forward's graph through the
     # parameters: cut every factor, not only the output, for every caller.
     return result if enable_backprop else result.detach()

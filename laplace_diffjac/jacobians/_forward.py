@@ -35,6 +35,7 @@ from ..errors import UnsupportedModuleError
 from ._derivatives import FORWARDS, shared_by_batch
 from ._in_place import tensors_in
 from ._layer_calls import LayerCall, recorded_calls
+from ._model_guard import is_torch_nn_module
 from ._sequence_first import batch_first_encoders
 
 
@@ -139,8 +140,7 @@ def may_attend(model: nn.Module) -> bool:
     bool
     """
     return any(
-        isinstance(m, nn.MultiheadAttention)
-        or not type(m).__module__.startswith("torch.nn.modules.")
+        isinstance(m, nn.MultiheadAttention) or not is_torch_nn_module(m)
         for m in model.modules()
     )
 

@@ -9,7 +9,7 @@ bias's is ``g[v]``: the layer's input ``a`` ``(B, in)`` and the signals ``g``
 recorded calls and the signal pass, they skip the factor objects that
 :func:`.derivatives.param_jacobian_factors` builds for every kind of module and
 that the kernels would take apart again; at Bayesian-optimisation sizes that
-is a sixth of a call.
+is about 50 µs of a 390 µs call.
 """
 
 from __future__ import annotations

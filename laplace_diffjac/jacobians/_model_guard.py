@@ -223,7 +223,7 @@ def survey(model: nn.Module) -> ModelSurvey:
     hook_free = global_hooks is not None and not global_hooks()
     torch_only = True
     for module in model.modules():
-        if torch_only and not type(module).__module__.startswith("torch.nn.modules."):
+        if torch_only and not is_torch_nn_module(module):
             torch_only = False
         held = vars(module)  # the dictionaries torch's own call checks
         if hook_free and (
@@ -236,3 +236,14 @@ def survey(model: nn.Module) -> ModelSurvey:
         if not (hook_free or torch_only):
             break
     return ModelSurvey(hook_free, torch_only)
+
+
+def is_torch_nn_module(module: nn.Module) -> bool:
+    """Whether ``module``'s class is one of torch.nn's own (not a subclass's).
+
+    Returns
+    -------
+    bool
+        ``True`` where the class is defined in ``torch.nn.modules``.
+    """
+    return type(module).__module__.startswith("torch.nn.modules.")

@@ -27,10 +27,9 @@ from ._factor_gram import factor_gram
 from ._structured import supports_structured_ntk
 from ._structured_features import (
     NTKFeatures,
-    chain_features,
     feature_diag,
     feature_gram,
-    linear_features,
+    features_of,
 )
 
 #: What :func:`engine_pieces` gives for one batch.
@@ -174,10 +173,11 @@ def _regrouped(backend: JacobianBackend, x: Any, graph: bool) -> EnginePieces:
         raw = engine_factors(backend, x, graph)
     else:
         raw = jacobian_pieces(backend.model, x, params, enable_backprop=graph)
-    if isinstance(raw, LinearSignals):
-        return linear_features(raw)
-    features = chain_features(raw, params)
-    return raw if features is None else features
+    features = features_of(raw, params)
+    if features is not None:
+        return features
+    assert isinstance(raw, JacobianFactors)  # Linear layers always regroup
+    return raw
 
 
 def pieces_gram(

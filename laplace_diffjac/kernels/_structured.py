@@ -24,13 +24,7 @@ import torch
 from torch import nn
 
 from ..jacobians._engine import jacobian_pieces
-from ..jacobians._linear_layers import LinearSignals
-from ._structured_features import (
-    NTKFeatures,
-    chain_features,
-    feature_gram,
-    linear_features,
-)
+from ._structured_features import NTKFeatures, feature_gram, features_of
 
 #: Elementwise activations a chain may hold (the engine differentiates them).
 ACTIVATIONS = (
@@ -200,11 +194,7 @@ def structured_features(model: nn.Module, x: torch.Tensor) -> NTKFeatures:
     check_structured(model)
     params = _default_params(model)
     pieces = jacobian_pieces(model, x, params, enable_backprop=torch.is_grad_enabled())
-    features = (
-        linear_features(pieces)
-        if isinstance(pieces, LinearSignals)
-        else chain_features(pieces, params)
-    )
+    features = features_of(pieces, params)
     if features is None:
         raise ValueError(
             "structured_ntk needs (batch, features) inputs to every Linear layer; "

@@ -38,6 +38,7 @@ __all__ = [
     "chain_features",
     "feature_diag",
     "feature_gram",
+    "features_of",
     "linear_features",
 ]
 
@@ -247,6 +248,29 @@ def linear_features(layers: LinearSignals) -> NTKFeatures:
         layers.bias,
         layers.n_rows,
     )
+
+
+def features_of(
+    pieces: LinearSignals | JacobianFactors, params: Sequence[torch.Tensor]
+) -> NTKFeatures | None:
+    """One batch's features from what the engine gave, if it regroups by layer.
+
+    Parameters
+    ----------
+    pieces : LinearSignals or JacobianFactors
+        The engine's Linear layers (:func:`linear_features`) or its factors
+        (:func:`chain_features`).
+    params : sequence of torch.Tensor
+        The Jacobian's parameters, in column order.
+
+    Returns
+    -------
+    NTKFeatures or None
+        ``None`` where the factors do not regroup.
+    """
+    if isinstance(pieces, LinearSignals):
+        return linear_features(pieces)
+    return chain_features(pieces, params)
 
 
 class _Layer:
