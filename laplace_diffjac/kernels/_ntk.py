@@ -28,15 +28,17 @@ whenever gradients are enabled.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
 import torch
 
 from ..backends import DiffBackPackEF, DiffBackPackGGN, DiffFuncGGN, JacobianBackend
 from ..budget import get_memory_budget
+from ..errors import MemoryBudgetError
 from ._budgeted import (
     Costs,
+    Plan,
     Route,
     batch_of,
     plan_diagonal,
@@ -52,6 +54,7 @@ from ._engine_pieces import (
     pieces_diag,
     pieces_gram,
 )
+from ._route_costs import COUNTING_AVAILABLE, StepWork, Work, device_costs, step_work
 
 PriorPrecision = Union[float, torch.Tensor]
 
@@ -303,16 +306,18 @@ def ntk(
             "or an nn.Sequential chain of Linear layers and elementwise activations "
             "with a scalar prior. Pass structured=None to fall back to Jacobians."
         )
-    features = _budget_route(backend, use_factors, dtype, prior_var=prior_var)
-    grad = _gradient_possible(features, prior_var, x1, x2)
-    plan = plan_gram(
-        _costs(backend, features, x1, prior_var, use_factors, dtype),
+    grad = _gradient_possible(backend.params, prior_var, x1, x2)
+    use_factors, features, plan = _gram_route(
+        backend,
+        use_factors,
+        structured is None,
+        x1,
         (batch_of(x1), batch_of(x2)),
         symmetric,
         grad,
-        get_memory_budget(device),
+        prior_var,
+        dtype,
         chunk_size,
-        features.backward_scale,
     )
     if plan.chunked:
         return budgeted_gram(
@@ -337,6 +342,54 @@ def ntk(
         ]
         rows.append(_cat(cols, dim=1))
     return _cat(rows, dim=0)
+
+
+def _gram_route(
+    backend: JacobianBackend,
+    factors_apply: bool,
+    choose: bool,
+    x1: Any,
+    sizes: tuple[int, int],
+    symmetric: bool,
+    grad: bool,
+    prior_var: torch.Tensor,
+    dtype: torch.dtype | None,
+    chunk_size: int,
+) -> tuple[bool, Route, Plan]:
+    """:func:`ntk`'s route and its plan within the memory budget.
+
+    Where the factor route applies and ``choose`` (``structured=None``), the
+    cheaper route on this device (:func:`_factors_cheaper`); a Jacobian route
+    so chosen that would need chunks, or does not fit the budget at all, gives
+    way to the factor route, which holds less.
+
+    Returns
+    -------
+    tuple
+        Whether the route is the factor route, the route, and its plan.
+    """
+    use_factors = factors_apply
+    budget = get_memory_budget(prior_var.device)
+    if factors_apply and choose:
+        use_factors = _factors_cheaper(
+            backend, x1, sizes, symmetric, grad, prior_var, dtype, budget
+        )
+
+    def planned(factors: bool) -> tuple[bool, Route, Plan]:
+        route = _budget_route(backend, factors, dtype, prior_var=prior_var)
+        costs = _costs(backend, route, x1, prior_var, factors, dtype)
+        plan = plan_gram(
+            costs, sizes, symmetric, grad, budget, chunk_size, route.backward_scale
+        )
+        return factors, route, plan
+
+    if use_factors == factors_apply:
+        return planned(use_factors)
+    try:  # the Jacobian route, chosen by its estimate: whole, or not at all
+        chosen = planned(False)
+    except MemoryBudgetError:
+        return planned(True)
+    return planned(True) if chosen[2].chunked else chosen
 
 
 def ntk_diag(
@@ -383,7 +436,7 @@ def ntk_diag(
     )
     use_factors = factor_route_applies(backend)
     features = _budget_route(backend, use_factors, dtype, prior_var=prior_var)
-    grad = _gradient_possible(features, prior_var, x)
+    grad = _gradient_possible(features.params, prior_var, x)
     plan = plan_diagonal(
         _costs(backend, features, x, prior_var, use_factors, dtype),
         batch_of(x),
@@ -536,11 +589,13 @@ def _budget_route(
     )
 
 
-def _gradient_possible(route: Route, prior_var: torch.Tensor, *xs: Any) -> bool:
+def _gradient_possible(
+    params: Iterable[torch.Tensor], prior_var: torch.Tensor, *xs: Any
+) -> bool:
     """Whether a gradient of the Gram may be asked for: a graph must be kept."""
     if not torch.is_grad_enabled():
         return False
-    tensors: list[torch.Tensor] = [prior_var, *route.params]
+    tensors: list[torch.Tensor] = [prior_var, *params]
     for x in xs:
         if x is None:
             continue
@@ -575,12 +630,91 @@ def _costs(
     """
     if not isinstance(backend, (DiffBackPackGGN, DiffBackPackEF, DiffFuncGGN)):
         return probe(route, x, prior_var)
+    key = (use_factors, dtype, contract_dtype, *_layout(x, prior_var))
+    return _kept(backend, _COSTS_ATTRIBUTE, key, lambda: probe(route, x, prior_var))
+
+
+def _layout(x: Any, prior_var: torch.Tensor) -> tuple:
+    """What a probe's result depends on: the inputs' and the prior's layouts."""
     items = sorted(x.items()) if isinstance(x, Mapping) else [("", x)]
     layout = tuple((k, tuple(v.shape[1:]), v.dtype, v.device) for k, v in items)
-    prior = (tuple(prior_var.shape), prior_var.dtype)
-    key = (use_factors, dtype, contract_dtype, layout, prior)
-    known: dict = getattr(backend, _COSTS_ATTRIBUTE, None) or {}
-    setattr(backend, _COSTS_ATTRIBUTE, known)
+    return layout, (tuple(prior_var.shape), prior_var.dtype)
+
+
+def _kept(backend: JacobianBackend, attribute: str, key: tuple, make: Callable) -> Any:
+    """``make()``, kept under ``key`` in a dict that is an attribute of ``backend``."""
+    known: dict = getattr(backend, attribute, None) or {}
+    setattr(backend, attribute, known)
     if key not in known:
-        known[key] = probe(route, x, prior_var)
+        known[key] = make()
     return known[key]
+
+
+#: The attribute under which this package's backends keep their routes' work.
+_WORK_ATTRIBUTE = "_laplace_diffjac_step_work"
+
+
+def _factors_cheaper(
+    backend: JacobianBackend,
+    x: Any,
+    sizes: tuple[int, int],
+    symmetric: bool,
+    grad: bool,
+    prior_var: torch.Tensor,
+    dtype: torch.dtype | None,
+    budget: int,
+) -> bool:
+    """Whether :func:`ntk`'s default takes the factor route on this device.
+
+    Both routes' steps are counted once per input layout (kernels, views,
+    multiply-adds, bytes: :mod:`._route_costs`) and their times estimated with
+    the device's constants; the factor route is kept on ties. Before the
+    Jacobian route's step is counted, its floor (its Gram's ``B1 B2 C² P``
+    multiply-adds and the bytes of ``J``) is compared with the factor route's
+    estimate, so that a wide model never forms a Jacobian to be counted. The
+    counts and choices are kept on this package's BackPACK backends; other
+    backends (whose factor route is an ``nn.Sequential`` chain of Linear
+    layers) keep the factor route. Where four Jacobians of the batch (what the
+    Jacobian route's backward pass holds) exceed ``budget`` bytes, the factor
+    route is taken without counting; a Jacobian route that the plan would chunk
+    gives way to it too (:func:`_gram_route`).
+
+    Returns
+    -------
+    bool
+        ``True`` for the factor route.
+    """
+    if not COUNTING_AVAILABLE or not isinstance(
+        backend, (DiffBackPackGGN, DiffBackPackEF)
+    ):
+        return True
+    layout = (dtype, grad, *_layout(x, prior_var))
+    first = _first_param(backend)
+    contract = dtype or first.dtype
+    costs = device_costs(first.device, contract)
+
+    def work(factors: bool) -> StepWork:
+        def count() -> StepWork:
+            route = _budget_route(backend, factors, dtype, prior_var=prior_var)
+            return step_work(route, x, prior_var, grad)
+
+        return _kept(backend, _WORK_ATTRIBUTE, (factors, *layout), count)
+
+    factor_work = work(True)
+    n_params, n_out = n_jacobian_columns(backend), factor_work.outputs
+    itemsize = torch.empty((), dtype=contract).element_size()
+    inputs = sizes[0] if symmetric else sum(sizes)
+    jacobian_bytes = inputs * n_out * n_params * itemsize
+    if 4 * jacobian_bytes > budget:  # the Jacobian route's backward holds 4 J
+        return True
+
+    def choose() -> bool:
+        factor_seconds = costs.seconds(factor_work.at(*sizes, symmetric))
+        pairs = sizes[0] * sizes[1]
+        floor = Work(0, 0, pairs * n_out**2 * n_params, jacobian_bytes)
+        if costs.seconds(floor) >= factor_seconds:
+            return True
+        return factor_seconds <= costs.seconds(work(False).at(*sizes, symmetric))
+
+    key = ("choice", *layout, sizes, symmetric)
+    return bool(_kept(backend, _WORK_ATTRIBUTE, key, choose))
