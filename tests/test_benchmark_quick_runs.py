@@ -21,6 +21,7 @@ CONTEXT_NUMERICS = ROOT / "benchmarks/context_posterior/context_numerics.py"
 OPTIMIZER_DEFAULTS = ROOT / "benchmarks/optimizer/optimizer_defaults.py"
 PROFILE_ENGINE = ROOT / "benchmarks/jacobians/profile_engine.py"
 SMALL_NTK_CALLS = ROOT / "benchmarks/jacobians/small_ntk_calls.py"
+ROUTE_COSTS = ROOT / "benchmarks/jacobians/route_costs.py"
 
 
 def _run(script: Path, *args: str) -> str:
@@ -95,3 +96,22 @@ def test_small_ntk_calls_times_every_step_of_this_tree(tmp_path: Path) -> None:
     (tree,) = record["trees"]
     assert len(tree["us"]) == 5 and all(t > 0 for t in tree["us"].values())
     assert "B = 320, no gradient" in out.read_text()
+
+
+@pytest.mark.slow
+def test_route_costs_counts_times_and_fits_both_routes(tmp_path: Path) -> None:
+    out, report = tmp_path / "costs.json", tmp_path / "COSTS.md"
+    _run(ROUTE_COSTS, "--quick", "--out", str(out), "--markdown", str(report))
+    record = json.loads(out.read_text())
+    assert len(record["rows"]) == 6  # three cases at B = 1 and 4
+    for row in record["rows"]:
+        for route in ("factors", "jacobians"):
+            assert row[route]["seconds"] > 0 and row[route]["kernels"] > 0
+        # forming J is more multiply-adds than the factors' Gram, counted
+        assert row["jacobians"]["madds"] > row["factors"]["madds"] > 0
+    fitted = record["fitted"]
+    assert all(v >= 0 for v in fitted.values())
+    assert "| the package's (`device_costs`) |" in report.read_text()
+    again = tmp_path / "AGAIN.md"
+    _run(ROUTE_COSTS, "--report-from", str(out), "--markdown", str(again))
+    assert again.read_text() == report.read_text()

@@ -53,7 +53,8 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     steps = {s["name"]: s for s in record["steps"]}
     context = ["context:fit", "context:step", "context:large"]
     assert list(steps) == [
-        "environment", "tests", "ntk_budget", *context, "ntk", "jacobians"
+        "environment", "tests", "ntk_budget", *context,
+        "ntk", "route_costs", "jacobians",
     ]  # fmt: skip
     assert all(s["ok"] for s in steps.values()), record
     assert sum(s["seconds"] for s in steps.values()) < record["budget_s"] == 450
@@ -185,6 +186,7 @@ def _check_ntk_routes(path: Path, report: Path, tmp_path: Path) -> None:
             # the routes this package owns never fail
             factors, jacobians = rows["factors"], rows["jacobians"]
             assert "seconds" in factors and "seconds" in jacobians
+            assert rows["default"]["took"] in ("factors", "jacobians")
             # forming J is more work, counted and by the cost model
             assert jacobians["gflop"] > factors["gflop"] > 0
             assert jacobians["model_gmac"] > factors["model_gmac"] > 0
@@ -196,6 +198,7 @@ def _check_ntk_routes(path: Path, report: Path, tmp_path: Path) -> None:
     text = report.read_text()
     assert "| model | B | allocator | route | seconds | × factors | GFLOP |" in text
     assert "### Issue #28's targets, allocator `mmap-off`" in text
+    assert "### Issue #42's route choice, allocator `mmap-off`" in text
     again = tmp_path / "AGAIN.md"
     script = ROOT / "benchmarks/jacobians/ntk_routes.py"
     run_script(script, "--report-from", str(path), "--markdown", str(again))

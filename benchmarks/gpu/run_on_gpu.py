@@ -83,6 +83,7 @@ LIMITS = {
     "tests": 120,
     "jacobians": 170,
     "ntk": 110,
+    "route_costs": 60,
     "ntk_budget": 120,
     "context:fit": 160,
     "context:step": 100,
@@ -263,6 +264,13 @@ def steps(runner: Runner, python: str, device: str, quick: bool) -> None:
         [python, JACOBIANS / "ntk_routes.py", "--device", device, *rounds]
         + ["--out", out / "ntk_routes.json", "--markdown", out / "NTK_ROUTES.md"],
     )
+    # the route choice's constants, fitted on this device (issue #42, item 3)
+    runner.run(
+        "route_costs",
+        [python, JACOBIANS / "route_costs.py", "--device", device]
+        + (["--quick"] if quick else ["--rounds", "5"])
+        + ["--out", out / "route_costs.json", "--markdown", out / "ROUTE_COSTS.md"],
+    )
     if quick:
         configs, extra = QUICK_CONFIGS, ["--quick", "--methods", *QUICK_METHODS]
     else:
@@ -361,6 +369,8 @@ def summary(runner: Runner, device: str, quick: bool, budget: float) -> str:
     table = _section(runner.out / "RESULTS.md", "| config | allocator | P |")
     gram = _section(runner.out / "RESULTS.md", "| config | allocator | P | route |")
     ntk = _section(runner.out / "NTK_ROUTES.md", "| model | B |")
+    choice = _section(runner.out / "NTK_ROUTES.md", "| case | the default took |")
+    constants = _section(runner.out / "ROUTE_COSTS.md", "| constants |")
     budgeted = _section(runner.out / "NTK_BUDGET.md", "| B | route | budget |")
     context = [
         line
@@ -398,6 +408,10 @@ def summary(runner: Runner, device: str, quick: bool, budget: float) -> str:
             "## NTK routes (`NTK_ROUTES.md`)",
             "",
             *(ntk or ["(no table: see the log)"]),
+            "",
+            *choice,
+            "",
+            *constants,
             "",
             "## NTK within the memory budget (`NTK_BUDGET.md`)",
             "",

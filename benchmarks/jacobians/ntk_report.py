@@ -37,7 +37,8 @@ def _row(case: dict, setting: str, route: str, row: dict, peak: float) -> str:
             _number(row.get("model_gmac"), ".3g"),
             _number(row["max relative difference to factors"], ".1e"),
         ]
-    head = [case["description"], str(case["batch"]), setting, route]
+    took = f" (took {row['took']})" if "took" in row else ""
+    head = [case["description"], str(case["batch"]), setting, route + took]
     return "| " + " | ".join([*head, *cells]) + " |"
 
 
@@ -53,6 +54,23 @@ def _targets(run: dict) -> list[str]:
         shown = b["seconds"] / a["seconds"] if bound < 1 else ratio
         met = "yes" if ratio >= bound else "no"
         lines.append(f"| {what} | {shown:.2f}× | {met} |")
+    return lines
+
+
+def _choice(run: dict) -> list[str]:
+    """Issue #42's route choice: the default against the faster of its two routes."""
+    lines = []
+    for case in run["cases"].values():
+        routes = case["routes"]
+        default = routes.get("default", {})
+        timed = [routes.get(r, {}).get("seconds") for r in ("factors", "jacobians")]
+        if "seconds" not in default or None in timed:
+            lines.append(f"| {case['description']} | – | – | not measured |")
+            continue
+        ratio = default["seconds"] / min(timed)
+        met = "yes" if ratio <= 1.1 else "no"
+        took = default.get("took", "–")
+        lines.append(f"| {case['description']} | {took} | {ratio:.2f}× | {met} |")
     return lines
 
 
@@ -119,5 +137,11 @@ def render(results: dict) -> str:
             "| target | measured | met |",
             "|---|---|---|",
             *_targets(run),
+            "",
+            f"### Issue #42's route choice, allocator `{run['allocator']}`",
+            "",
+            "| case | the default took | its time ÷ the faster route's | within 1.1× |",
+            "|---|---|---|---|",
+            *_choice(run),
         ]
     return "\n".join(lines) + "\n"
