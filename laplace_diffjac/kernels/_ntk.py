@@ -54,7 +54,14 @@ from ._engine_pieces import (
     pieces_diag,
     pieces_gram,
 )
-from ._route_costs import COUNTING_AVAILABLE, StepWork, Work, device_costs, step_work
+from ._route_costs import (
+    COUNTED_BATCH,
+    COUNTING_AVAILABLE,
+    StepWork,
+    Work,
+    device_costs,
+    step_work,
+)
 
 PriorPrecision = Union[float, torch.Tensor]
 
@@ -355,41 +362,46 @@ def _gram_route(
     prior_var: torch.Tensor,
     dtype: torch.dtype | None,
     chunk_size: int,
+    diagonal: bool = False,
 ) -> tuple[bool, Route, Plan]:
-    """:func:`ntk`'s route and its plan within the memory budget.
+    """The route of :func:`ntk` or :func:`ntk_diag` and its plan within the budget.
 
-    Where the factor route applies and ``choose`` (``structured=None``), the
-    cheaper route on this device (:func:`_factors_cheaper`); a Jacobian route
-    so chosen that would need chunks, or does not fit the budget at all, gives
-    way to the factor route, which holds less.
+    ``diagonal`` plans :func:`ntk_diag` (``sizes`` then ``(B, B)``). Where the
+    factor route applies and ``choose`` (``structured=None``), the cheaper route on
+    this device (:func:`_factors_cheaper`); a Jacobian route so chosen that would
+    need chunks, or does not fit the budget at all, gives way to the factor route,
+    which holds less.
 
     Returns
     -------
     tuple
         Whether the route is the factor route, the route, and its plan.
     """
-    use_factors = factors_apply
     budget = get_memory_budget(prior_var.device)
-    if factors_apply and choose:
-        use_factors = _factors_cheaper(
-            backend, x1, sizes, symmetric, grad, prior_var, dtype, budget
-        )
 
     def planned(factors: bool) -> tuple[bool, Route, Plan]:
         route = _budget_route(backend, factors, dtype, prior_var=prior_var)
         costs = _costs(backend, route, x1, prior_var, factors, dtype)
-        plan = plan_gram(
-            costs, sizes, symmetric, grad, budget, chunk_size, route.backward_scale
-        )
+        scale = route.backward_scale
+        if diagonal:
+            plan = plan_diagonal(costs, sizes[0], grad, budget, chunk_size, scale)
+        else:
+            plan = plan_gram(costs, sizes, symmetric, grad, budget, chunk_size, scale)
         return factors, route, plan
 
-    if use_factors == factors_apply:
-        return planned(use_factors)
+    if not (factors_apply and choose):
+        return planned(factors_apply)
+    factors = planned(True)
+    largest = factors[2].chunk
+    if _factors_cheaper(
+        backend, x1, sizes, symmetric, grad, prior_var, dtype, budget, diagonal, largest
+    ):
+        return factors
     try:  # the Jacobian route, chosen by its estimate: whole, or not at all
         chosen = planned(False)
     except MemoryBudgetError:
-        return planned(True)
-    return planned(True) if chosen[2].chunked else chosen
+        return factors
+    return factors if chosen[2].chunked else chosen
 
 
 def ntk_diag(
@@ -434,16 +446,19 @@ def ntk_diag(
         n_jacobian_columns(backend),
         torch.empty((), device=device, dtype=dtype or first.dtype),
     )
-    use_factors = factor_route_applies(backend)
-    features = _budget_route(backend, use_factors, dtype, prior_var=prior_var)
-    grad = _gradient_possible(features.params, prior_var, x)
-    plan = plan_diagonal(
-        _costs(backend, features, x, prior_var, use_factors, dtype),
-        batch_of(x),
+    grad = _gradient_possible(backend.params, prior_var, x)
+    use_factors, features, plan = _gram_route(
+        backend,
+        factor_route_applies(backend),
+        True,
+        x,
+        (batch_of(x), batch_of(x)),
+        True,
         grad,
-        get_memory_budget(device),
+        prior_var,
+        dtype,
         chunk_size,
-        features.backward_scale,
+        diagonal=True,
     )
     if plan.chunked:
         return budgeted_diagonal(features, plan, x, prior_var, grad)
@@ -663,21 +678,23 @@ def _factors_cheaper(
     prior_var: torch.Tensor,
     dtype: torch.dtype | None,
     budget: int,
+    diagonal: bool = False,
+    largest: int = COUNTED_BATCH,
 ) -> bool:
-    """Whether :func:`ntk`'s default takes the factor route on this device.
+    """Whether the default of :func:`ntk` or :func:`ntk_diag` takes the factor route.
 
-    Both routes' steps are counted once per input layout (kernels, views,
-    multiply-adds, bytes: :mod:`._route_costs`) and their times estimated with
-    the device's constants; the factor route is kept on ties. Before the
-    Jacobian route's step is counted, its floor (its Gram's ``B1 B2 C² P``
-    multiply-adds and the bytes of ``J``) is compared with the factor route's
-    estimate, so that a wide model never forms a Jacobian to be counted. The
-    counts and choices are kept on this package's BackPACK backends; other
-    backends (whose factor route is an ``nn.Sequential`` chain of Linear
-    layers) keep the factor route. Where four Jacobians of the batch (what the
-    Jacobian route's backward pass holds) exceed ``budget`` bytes, the factor
-    route is taken without counting; a Jacobian route that the plan would chunk
-    gives way to it too (:func:`_gram_route`).
+    ``diagonal`` asks for :func:`ntk_diag` (each input's block with itself). Both
+    routes' steps are counted once per input layout (kernels, views, multiply-adds,
+    bytes: :mod:`._route_costs`) and their times estimated with the device's
+    constants; the factor route is kept on ties. Before the Jacobian route's step is
+    counted, its floor (its Gram's ``B1 B2 C² P`` multiply-adds and the bytes of
+    ``J``) is compared with the factor route's estimate, so that a wide model never
+    forms a Jacobian to be counted. The counts and choices are kept on this
+    package's BackPACK backends; other backends (whose factor route is an
+    ``nn.Sequential`` chain of Linear layers) keep the factor route. Where four
+    Jacobians of the batch (what the Jacobian route's backward pass holds) exceed
+    ``budget`` bytes, the factor route is taken without counting; a Jacobian route
+    that the plan would chunk gives way to it too (:func:`_gram_route`).
 
     Returns
     -------
@@ -688,7 +705,8 @@ def _factors_cheaper(
         backend, (DiffBackPackGGN, DiffBackPackEF)
     ):
         return True
-    layout = (dtype, grad, *_layout(x, prior_var))
+    counted = max(1, min(sizes[0], largest, COUNTED_BATCH))
+    layout = (dtype, grad, diagonal, counted, *_layout(x, prior_var))
     first = _first_param(backend)
     contract = dtype or first.dtype
     costs = device_costs(first.device, contract)
@@ -696,7 +714,7 @@ def _factors_cheaper(
     def work(factors: bool) -> StepWork:
         def count() -> StepWork:
             route = _budget_route(backend, factors, dtype, prior_var=prior_var)
-            return step_work(route, x, prior_var, grad)
+            return step_work(route, x, prior_var, grad, diagonal, counted)
 
         return _kept(backend, _WORK_ATTRIBUTE, (factors, *layout), count)
 
@@ -710,7 +728,7 @@ def _factors_cheaper(
 
     def choose() -> bool:
         factor_seconds = costs.seconds(factor_work.at(*sizes, symmetric))
-        pairs = sizes[0] * sizes[1]
+        pairs = sizes[0] if diagonal else sizes[0] * sizes[1]
         floor = Work(0, 0, pairs * n_out**2 * n_params, jacobian_bytes)
         if costs.seconds(floor) >= factor_seconds:
             return True

@@ -1,7 +1,8 @@
 """The work of a Gram route's step, counted, and its time on a device, estimated.
 
 A route (:class:`._budgeted.Route`: the engine's per-layer factors, or assembled
-Jacobians) is run once on one input and once on two, under a dispatch mode that
+Jacobians) is run on up to eight inputs and on half as many, under a dispatch
+mode that
 counts what each step of ATen does:
 
 * **kernels**: operators that compute (each a kernel launch on a GPU);
@@ -12,7 +13,7 @@ counts what each step of ATen does:
 * **bytes** the kernels read and write (every tensor argument and result).
 
 The step is the features, their Gram, and, where a gradient may be asked for,
-the backward pass of the Gram's sum of squares. Kernels and views do not grow with
+the backward pass of the Gram's sum of squares. Kernels and views hardly grow with
 the batch; multiply-adds and bytes are fitted as ``α b + β b²`` from the two runs.
 A device turns the counts into seconds (:class:`DeviceCosts`)::
 
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._device_arithmetic import float64_at_full_rate
 from ._budgeted import Route, take_inputs
 
 try:  # private modules of PyTorch: without them, no counts (and no choice)
@@ -51,7 +53,6 @@ __all__ = [
     "Work",
     "count_work",
     "device_costs",
-    "float64_at_full_rate",
     "step_work",
 ]
 
@@ -181,27 +182,6 @@ _GPU_KERNEL_SECONDS = 6e-6
 _GPU_VIEW_SECONDS = 2e-6
 _GPU_MADDS_PER_SECOND = 2.5e13
 _GPU_BYTES_PER_SECOND = 2e12
-_FULL_RATE_FLOAT64 = {(8, 0), (9, 0), (10, 0)}
-
-
-def float64_at_full_rate(device: torch.device) -> bool:
-    """Whether float64 matmuls run near float32's rate on ``device``.
-
-    Parameters
-    ----------
-    device : torch.device
-        A CPU (``True``: half the rate, as wide as the vector units) or a CUDA
-        device (``True`` for compute capabilities 8.0, 9.0 and 10.0).
-
-    Returns
-    -------
-    bool
-    """
-    if device.type == "cpu":
-        return True
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) in _FULL_RATE_FLOAT64
-    return False
 
 
 def device_costs(device: torch.device, dtype: torch.dtype) -> DeviceCosts:
@@ -236,19 +216,23 @@ def device_costs(device: torch.device, dtype: torch.dtype) -> DeviceCosts:
 
 @dataclass(frozen=True)
 class StepWork:
-    """A route's step counted on one input and on two.
+    """A route's step counted at two batch sizes.
 
     Attributes
     ----------
-    one, two : Work
-        The symmetric Gram step (features, Gram, backward) of the first input,
-        and of the first two (``two`` is ``one`` for a batch of one).
+    small, large : Work
+        The symmetric Gram step (features, Gram, backward) of the first
+        ``sizes[0]`` and ``sizes[1]`` inputs (``large`` is ``small`` where the
+        sizes are equal).
+    sizes : tuple of int
+        The two batch sizes counted.
     outputs : int
         ``C``, the Gram's last dimension.
     """
 
-    one: Work
-    two: Work
+    small: Work
+    large: Work
+    sizes: tuple[int, int]
     outputs: int
 
     def at(self, b1: int, b2: int, symmetric: bool) -> Work:
@@ -256,7 +240,7 @@ class StepWork:
 
         The features are counted for ``b1`` inputs, and for ``b2`` more unless
         ``symmetric``; the Gram for ``b1 b2`` pairs. Kernels and views are the
-        two-input run's (they do not grow with the batch).
+        larger run's (they hardly grow with the batch).
 
         Returns
         -------
@@ -264,30 +248,46 @@ class StepWork:
         """
         inputs = b1 if symmetric else b1 + b2
         pairs = b1 * b2
+        s1, s2 = self.sizes
 
         def grown(w1: float, w2: float) -> float:
-            if self.two is self.one:
-                return w1 * pairs
-            beta = max(0.0, (w2 - 2 * w1) / 2)
-            alpha = max(0.0, w1 - beta)
+            if s1 == s2:  # one size counted: all of it per pair
+                return w1 / (s1 * s1) * pairs
+            beta = max(0.0, (w2 / s2 - w1 / s1) / (s2 - s1))
+            alpha = max(0.0, w2 / s2 - beta * s2)
             return alpha * inputs + beta * pairs
 
         return Work(
-            self.two.kernels,
-            self.two.views,
-            grown(self.one.madds, self.two.madds),
-            grown(self.one.bytes, self.two.bytes),
+            self.large.kernels,
+            self.large.views,
+            grown(self.small.madds, self.large.madds),
+            grown(self.small.bytes, self.large.bytes),
         )
 
 
-def step_work(route: Route, x: Any, prior_var: torch.Tensor, grad: bool) -> StepWork:
-    """Count ``route``'s Gram step on the first one and two inputs of ``x``.
+#: The largest batch a route's step is counted on (and half of it): large
+#: enough that the per-parameter choices of :mod:`._factor_gram`, which depend
+#: on the batch, are those of real batches (counted on one and two inputs, a
+#: transformer's bytes came out 4.6× too high at B = 64).
+COUNTED_BATCH = 8
 
-    Kernels and views are read off the second run, after the first has built
-    what first calls build for later ones. The gradient, where ``grad``, is
-    taken with respect to the inputs
-    when they require one, else the parameters that do, as
-    :func:`torch.autograd.grad` (nothing is written to any ``.grad``).
+
+def step_work(
+    route: Route,
+    x: Any,
+    prior_var: torch.Tensor,
+    grad: bool,
+    diagonal: bool = False,
+    largest: int = COUNTED_BATCH,
+) -> StepWork:
+    """Count ``route``'s Gram step on the first ``b`` and ``b // 2`` inputs of ``x``.
+
+    ``b`` is the smallest of ``x``'s batch, ``largest`` and
+    :data:`COUNTED_BATCH`. The smaller run goes first, so that the larger one's
+    kernels and views are those of a warm call. The gradient, where ``grad``,
+    is taken with respect to the inputs when they require one, else the
+    parameters that do, as :func:`torch.autograd.grad` (nothing is written to
+    any ``.grad``).
 
     Parameters
     ----------
@@ -299,6 +299,12 @@ def step_work(route: Route, x: Any, prior_var: torch.Tensor, grad: bool) -> Step
         ``()`` or ``(P,)``.
     grad : bool
         Whether the step includes the backward pass.
+    diagonal : bool, default=False
+        Count the per-input blocks (``ntk_diag``'s step) instead of the Gram;
+        their work then fits as ``α b`` (``β`` comes out as zero).
+    largest : int, default=COUNTED_BATCH
+        The most inputs counted at once (what the memory budget lets a chunk
+        hold).
 
     Returns
     -------
@@ -310,7 +316,7 @@ def step_work(route: Route, x: Any, prior_var: torch.Tensor, grad: bool) -> Step
         leaves = list(xs.values()) if isinstance(xs, Mapping) else [xs]
         with torch.set_grad_enabled(grad):
             feats = route.features(xs)
-            K = route.pair(feats, feats, prior_var)
+            K = route.pair(feats, None if diagonal else feats, prior_var)
             outputs[0] = int(K.shape[-1])
             if grad:
                 wrt = [t for t in leaves if t.requires_grad]
@@ -322,9 +328,11 @@ def step_work(route: Route, x: Any, prior_var: torch.Tensor, grad: bool) -> Step
         xs = _leaves(take_inputs(x, slice(0, b)))
         return count_work(lambda: step(xs))
 
-    one = counted(1)
-    two = counted(2) if _batch(x) > 1 else one
-    return StepWork(one, two, outputs[0])
+    s2 = max(1, min(_batch(x), largest, COUNTED_BATCH))
+    s1 = max(1, s2 // 2)
+    small = counted(s1)
+    large = counted(s2) if s2 > s1 else small
+    return StepWork(small, large, (s1, s2), outputs[0])
 
 
 def _batch(x: Any) -> int:
