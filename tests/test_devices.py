@@ -124,3 +124,22 @@ def test_curvature_on_device_equals_the_cpu(device, structure):
         results[where] = [loss.cpu(), *(h.cpu() for h in H)]
     for a, b in zip(results["cpu"], results[device.type]):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_the_default_compute_dtype_follows_the_device(device):
+    """``compute_dtype='auto'``: float64 where the device runs it near float32's
+    rate, else the model's float32, within float32's error of the CPU's float64."""
+    from torch import nn
+
+    from laplace_diffjac._device_arithmetic import default_compute_dtype
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 2))
+    x, test = torch.randn(30, 3), torch.randn(5, 3)
+    on_cpu = ContextPosterior(model, "regression", x[:6], compute_dtype=torch.float64)
+    _, reference = on_cpu.fit(x)(test)
+    model_d = copy.deepcopy(model).to(device)
+    posterior = ContextPosterior(model_d, "regression", x[:6].to(device))
+    _, var = posterior.fit(x.to(device))(test.to(device))
+    assert posterior._compute_dtype == (default_compute_dtype(device) or torch.float32)
+    torch.testing.assert_close(var.cpu(), reference, rtol=1e-4, atol=1e-6)
