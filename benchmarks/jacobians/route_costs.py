@@ -37,16 +37,17 @@ sys.path[:0] = [HERE, ROOT]
 
 import torch  # noqa: E402
 from measure import synchronized  # noqa: E402
-from ntk_routes import ClassMLP, SmallCNN, TinyTransformer, _step  # noqa: E402
+from ntk_routes import (  # noqa: E402
+    ClassMLP,
+    SmallCNN,
+    TinyTransformer,
+    _route_taken,
+    _step,
+)
 from torch import nn  # noqa: E402
 
 from laplace_diffjac import DiffBackPackGGN  # noqa: E402
 from laplace_diffjac.kernels import ntk  # noqa: E402
-from laplace_diffjac.kernels._ntk import (  # noqa: E402
-    _gram_route,
-    n_jacobian_columns,
-    prior_variance,
-)
 from laplace_diffjac.kernels._route_costs import (  # noqa: E402
     DeviceCosts,
     Work,
@@ -118,21 +119,6 @@ def measure(batches: list[int], rounds: int, device: torch.device) -> list[dict]
             )
             print(name, batch, {r: rows[-1][r]["seconds"] for r in steps}, flush=True)
     return rows
-
-
-def _route_taken(model: nn.Module, x: torch.Tensor) -> str:
-    """The route ``ntk``'s default takes for the step, asked of a fresh backend:
-    from its own counts at up to eight inputs, extrapolated to the batch."""
-    backend = DiffBackPackGGN(model, "classification")
-    leaf = x.detach().requires_grad_(x.is_floating_point())
-    n = int(x.shape[0])
-    prior_var = prior_variance(
-        1.0, n_jacobian_columns(backend), torch.empty((), dtype=x.dtype).to(x.device)
-    )
-    factors, _, _ = _gram_route(
-        backend, True, True, leaf, (n, n), True, True, prior_var, None, 256
-    )
-    return "factors" if factors else "jacobians"
 
 
 def _difference(row: dict) -> list[float]:

@@ -170,17 +170,24 @@ def test_a_launch_bound_device_keeps_the_factor_route_at_width(monkeypatch):
 
 
 @pytest.mark.parametrize("device_kind", ["cpu", "launch-bound"])
-def test_ntk_equals_a_per_sample_loop_on_the_route_it_takes(monkeypatch, device_kind):
+@pytest.mark.parametrize(
+    "kernel, layout",
+    [(ntk, "acp,bep->abce"), (ntk_diag, "acp,aep->ace")],
+    ids=["ntk", "ntk_diag"],
+)
+def test_kernels_equal_a_per_sample_loop_on_the_route_they_take(
+    monkeypatch, device_kind, kernel, layout
+):
     """Value and gradient in ``x``, whichever route the counts choose."""
     if device_kind == "launch-bound":
         monkeypatch.setattr(_ntk, "device_costs", lambda device, dtype: GPU_LIKE)
     model, x = _cnn_and_inputs(4)
     backend = DiffBackPackGGN(model, "classification")
-    K = ntk(backend, x, prior_precision=0.5)
+    K = kernel(backend, x, prior_precision=0.5)
     (grad,) = torch.autograd.grad((K**2).sum(), x)
     leaf = x.detach().clone().requires_grad_()
     J, _ = loop_jacobians(model, leaf)
-    reference = 2.0 * torch.einsum("acp,bep->abce", J, J)
+    reference = 2.0 * torch.einsum(layout, J, J)
     (expected,) = torch.autograd.grad((reference**2).sum(), leaf)
     torch.testing.assert_close(K, reference, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
@@ -210,21 +217,3 @@ def test_a_jacobian_route_that_would_need_chunks_gives_way(monkeypatch):
         K = ntk(backend, x)
     J, _ = loop_jacobians(model, x.detach())
     torch.testing.assert_close(K, torch.einsum("acp,bep->abce", J, J))
-
-
-@pytest.mark.parametrize("device_kind", ["cpu", "launch-bound"])
-def test_ntk_diag_equals_a_per_sample_loop_on_the_route_it_takes(
-    monkeypatch, device_kind
-):
-    if device_kind == "launch-bound":
-        monkeypatch.setattr(_ntk, "device_costs", lambda device, dtype: GPU_LIKE)
-    model, x = _cnn_and_inputs(4)
-    backend = DiffBackPackGGN(model, "classification")
-    diag = ntk_diag(backend, x, prior_precision=0.5)
-    (grad,) = torch.autograd.grad((diag**2).sum(), x)
-    leaf = x.detach().clone().requires_grad_()
-    J, _ = loop_jacobians(model, leaf)
-    reference = 2.0 * torch.einsum("acp,aep->ace", J, J)
-    (expected,) = torch.autograd.grad((reference**2).sum(), leaf)
-    torch.testing.assert_close(diag, reference, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
