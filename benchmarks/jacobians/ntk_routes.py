@@ -247,8 +247,11 @@ def _route_taken(model: nn.Module, x: torch.Tensor) -> str:
     backend = DiffBackPackGGN(model, "classification")
     leaf = x.detach().requires_grad_(x.is_floating_point())
     n = int(x.shape[0])
+    first = next(model.parameters())  # the prior in the model's dtype, not x's
     prior_var = prior_variance(
-        1.0, n_jacobian_columns(backend), torch.empty((), dtype=x.dtype).to(x.device)
+        1.0,
+        n_jacobian_columns(backend),
+        torch.empty((), dtype=first.dtype, device=first.device),
     )
     factors, _, _ = _gram_route(
         backend, True, True, leaf, (n, n), True, True, prior_var, None, 256

@@ -29,6 +29,7 @@ whenever gradients are enabled.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
@@ -669,6 +670,23 @@ def _kept(backend: JacobianBackend, attribute: str, key: tuple, make: Callable) 
 _WORK_ATTRIBUTE = "_laplace_diffjac_step_work"
 
 
+@dataclass
+class _Choice:
+    """One call shape's route choice, kept on the backend.
+
+    Attributes
+    ----------
+    jacobian_bytes : int
+        The bytes of the batch's ``J`` (0 until the factor route is counted).
+    factors : bool or None
+        Whether the factor route is the cheaper; ``None`` until compared (a
+        budget too small for ``J`` decides without comparing).
+    """
+
+    jacobian_bytes: int = 0
+    factors: bool | None = None
+
+
 def _factors_cheaper(
     backend: JacobianBackend,
     x: Any,
@@ -707,6 +725,13 @@ def _factors_cheaper(
         return True
     counted = max(1, min(sizes[0], largest, COUNTED_BATCH))
     layout = (dtype, grad, diagonal, counted, *_layout(x, prior_var))
+    choice = _kept(
+        backend, _WORK_ATTRIBUTE, ("choice", *layout, sizes, symmetric), _Choice
+    )
+    if 4 * choice.jacobian_bytes > budget:  # the Jacobian route's backward: 4 J
+        return True
+    if choice.factors is not None:
+        return choice.factors
     first = _first_param(backend)
     contract = dtype or first.dtype
     costs = device_costs(first.device, contract)
@@ -722,17 +747,13 @@ def _factors_cheaper(
     n_params, n_out = n_jacobian_columns(backend), factor_work.outputs
     itemsize = torch.empty((), dtype=contract).element_size()
     inputs = sizes[0] if symmetric else sum(sizes)
-    jacobian_bytes = inputs * n_out * n_params * itemsize
-    if 4 * jacobian_bytes > budget:  # the Jacobian route's backward holds 4 J
+    choice.jacobian_bytes = jacobian_bytes = inputs * n_out * n_params * itemsize
+    if 4 * jacobian_bytes > budget:
         return True
-
-    def choose() -> bool:
-        factor_seconds = costs.seconds(factor_work.at(*sizes, symmetric))
-        pairs = sizes[0] if diagonal else sizes[0] * sizes[1]
-        floor = Work(0, 0, pairs * n_out**2 * n_params, jacobian_bytes)
-        if costs.seconds(floor) >= factor_seconds:
-            return True
-        return factor_seconds <= costs.seconds(work(False).at(*sizes, symmetric))
-
-    key = ("choice", *layout, sizes, symmetric)
-    return bool(_kept(backend, _WORK_ATTRIBUTE, key, choose))
+    factor_seconds = costs.seconds(factor_work.at(*sizes, symmetric))
+    pairs = sizes[0] if diagonal else sizes[0] * sizes[1]
+    floor = Work(0, 0, pairs * n_out**2 * n_params, jacobian_bytes)
+    choice.factors = costs.seconds(floor) >= factor_seconds or (
+        factor_seconds <= costs.seconds(work(False).at(*sizes, symmetric))
+    )
+    return choice.factors

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .._device_arithmetic import float64_at_full_rate
-from ._budgeted import Route, take_inputs
+from ._budgeted import Route, batch_of, take_inputs
 
 try:  # private modules of PyTorch: without them, no counts (and no choice)
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -328,15 +328,11 @@ def step_work(
         xs = _leaves(take_inputs(x, slice(0, b)))
         return count_work(lambda: step(xs))
 
-    s2 = max(1, min(_batch(x), largest, COUNTED_BATCH))
+    s2 = max(1, min(batch_of(x), largest, COUNTED_BATCH))
     s1 = max(1, s2 // 2)
     small = counted(s1)
     large = counted(s2) if s2 > s1 else small
     return StepWork(small, large, (s1, s2), outputs[0])
-
-
-def _batch(x: Any) -> int:
-    return int(len(next(iter(x.values())))) if isinstance(x, Mapping) else len(x)
 
 
 def _leaves(x: Any) -> Any:

@@ -168,11 +168,6 @@ class ContextPosterior(LaplacePredictive):
                 f"{likelihood!r}."
             )
         param = next(iter(model.parameters()))
-        check_inputs(locations, "locations", param.dtype, None)
-        check_fits_model(locations, "locations", model)
-        self.model = model
-        self.likelihood = likelihood
-        self.locations = locations.detach()
         if isinstance(compute_dtype, str):
             if compute_dtype != "auto":
                 raise ValueError(
@@ -181,6 +176,11 @@ class ContextPosterior(LaplacePredictive):
                     f"{compute_dtype!r}."
                 )
             compute_dtype = default_compute_dtype(param.device)
+        check_inputs(locations, "locations", param.dtype, None)
+        check_fits_model(locations, "locations", model)
+        self.model = model
+        self.likelihood = likelihood
+        self.locations = locations.detach()
         self._compute_model = compute_copy(model, backend, compute_dtype)
         self.backend = as_backend(model, likelihood, backend)
         self._compute_backend = (
