@@ -217,3 +217,32 @@ def test_a_jacobian_route_that_would_need_chunks_gives_way(monkeypatch):
         K = ntk(backend, x)
     J, _ = loop_jacobians(model, x.detach())
     torch.testing.assert_close(K, torch.einsum("acp,bep->abce", J, J))
+
+
+def test_a_jacobian_route_chosen_but_too_large_for_the_budget_gives_way(monkeypatch):
+    """The estimate may favour J where one input's J with its graph does not fit
+    the budget at all: the factor route then runs, instead of an error."""
+    import laplace_diffjac
+
+    monkeypatch.setattr(_ntk, "_factors_cheaper", lambda *args, **kwargs: False)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4)
+    ).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    backend = DiffBackPackGGN(model, "classification")
+    prior_var = prior_variance(
+        1.0, _ntk.n_jacobian_columns(backend), torch.empty((), dtype=x.dtype)
+    )
+    with laplace_diffjac.memory_budget("1 MiB"):  # one input's J: 2.2 MB
+        factors, _, _ = _ntk._gram_route(
+            backend, True, True, x, (4, 4), True, True, prior_var, None, 256
+        )
+        assert factors
+        K = ntk(backend, x)
+    factors, _, _ = _ntk._gram_route(
+        backend, True, True, x, (4, 4), True, True, prior_var, None, 256
+    )
+    assert not factors  # with room, the (forced) Jacobian route runs
+    J, _ = loop_jacobians(model, x.detach())
+    torch.testing.assert_close(K, torch.einsum("acp,bep->abce", J, J))
