@@ -40,6 +40,7 @@ __all__ = [
     "factor_route_applies",
     "engine_factors",
     "engine_pieces",
+    "linear_pieces",
     "pieces_diag",
     "pieces_gram",
 ]
@@ -155,29 +156,50 @@ def engine_pieces(
 def _regrouped(backend: JacobianBackend, x: Any, graph: bool) -> EnginePieces:
     """A batch's Linear features where they apply, else its factors.
 
-    From the backend's ``jacobian_pieces`` where it has one, else from the
-    engine over its model (either gives the Linear layers' inputs and signals
-    straight off the pass where every parameter is a Linear layer's); from a
-    backend with factors only, those factors regrouped.
-
     Returns
     -------
     NTKFeatures or JacobianFactors
     """
-    params = list(backend.params)
-    source = getattr(backend, "jacobian_pieces", None)
-    raw: LinearSignals | JacobianFactors
-    if callable(source):
-        raw = source(x, enable_backprop=graph)
-    elif _factor_source(backend) is not None:
-        raw = engine_factors(backend, x, graph)
-    else:
-        raw = jacobian_pieces(backend.model, x, params, enable_backprop=graph)
-    features = features_of(raw, params)
+    raw = linear_pieces(backend, x, graph)
+    features = features_of(raw, list(backend.params))
     if features is not None:
         return features
     assert isinstance(raw, JacobianFactors)  # Linear layers always regroup
     return raw
+
+
+def linear_pieces(
+    backend: JacobianBackend, x: Any, graph: bool
+) -> LinearSignals | JacobianFactors:
+    """A batch's Linear layers' inputs and signals where they all are, else factors.
+
+    From the backend's ``jacobian_pieces`` where it has one, else from the
+    engine over its model (either gives the Linear layers' inputs and signals
+    straight off the pass where every parameter is a Linear layer's); from a
+    backend with factors only, those factors.
+
+    Parameters
+    ----------
+    backend : JacobianBackend
+        A backend :func:`factor_route_applies` to.
+    x : torch.Tensor or Mapping
+        ``(B, *input_shape)``.
+    graph : bool
+        Keep the pieces connected to the graph of ``x`` and the parameters.
+
+    Returns
+    -------
+    LinearSignals or JacobianFactors
+        Both carry the model's output ``f``.
+    """
+    source = getattr(backend, "jacobian_pieces", None)
+    if callable(source):
+        return source(x, enable_backprop=graph)
+    if _factor_source(backend) is not None:
+        return engine_factors(backend, x, graph)
+    return jacobian_pieces(
+        backend.model, x, list(backend.params), enable_backprop=graph
+    )
 
 
 def pieces_gram(

@@ -51,9 +51,13 @@ from ._evidence import evidence_terms, log_likelihood
 from ._factor_cache import FactorCache, PredictiveFactor
 from ._features import (
     BatchFeatures,
+    LinearLayerBatch,
+    PredictiveFeatures,
     batch_features,
     given_jacobians,
+    linear_layer_batch,
     location_features,
+    only_linear_parameters,
 )
 from ._hyperparameters import (
     PriorGroups,
@@ -129,7 +133,12 @@ class ContextPosterior(LaplacePredictive):
         ``DiffBackPackEF`` over all parameters), compute every Gram, the GGN
         diagonal and the dual mean from them: no Jacobian ``J`` of the locations
         or of a batch is formed (:mod:`._features`). ``False`` forms the
-        Jacobians (the reference route); other backends always do.
+        Jacobians (the reference route); other backends always do. Either way,
+        where every parameter is a plain ``nn.Linear``'s and the prior is one
+        scalar, predictions take their Grams from the layers' inputs and
+        signals (:class:`._features.LinearLayerBatch`; not for
+        ``predictive_mean='dual'``, whose mean needs ``J δ``): the same numbers,
+        at about half the time of a BoTorch acquisition's posterior call.
 
     Raises
     ------
@@ -207,6 +216,8 @@ class ContextPosterior(LaplacePredictive):
         self._factors = FactorCache()
         self._sizes: FeatureSizes | None = None
         self._chunks: Chunks | None = None
+        #: The locations' Linear layers' features, where predictions use them.
+        self._linear_locations: LinearLayerBatch | None = None
 
     def fit(self, train_loader: Data, progress_bar: bool = False) -> ContextPosterior:
         """Accumulate the data's sums (``K_ZX Λ K_XZ``, GGN diagonal, loss).
@@ -271,6 +282,7 @@ class ContextPosterior(LaplacePredictive):
                 "training data."
             )
         self._acc, self._groups, self._chunks = acc, groups, chunks
+        self._linear_locations = self._linear_location_features(groups, chunks)
         self._factors.clear()
         return self
 
@@ -415,10 +427,16 @@ class ContextPosterior(LaplacePredictive):
     def _scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group variances ``(G,)``, per-parameter ``Σ₀`` ``(P,)``, ``h = 1/(σ² T)``."""
         _, groups = self._fitted()
-        s = groups.group_variances(self.prior_precision, self._layer_sizes)
+        s, h = self._group_scales()
         bounds = groups.bounds
         sizes = torch.tensor([b - a for a, b in bounds], device=s.device)
         prior_var = torch.repeat_interleave(s, sizes) * groups.weight.to(s)
+        return s, prior_var, h
+
+    def _group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group variances ``(G,)`` and ``h = 1/(σ² T)`` (no per-parameter ``Σ₀``)."""
+        _, groups = self._fitted()
+        s = groups.group_variances(self.prior_precision, self._layer_sizes)
         sigma2 = self.sigma_noise.to(torch.float64).square()
         h = (
             1.0 / (sigma2 * self.temperature)
@@ -427,7 +445,7 @@ class ContextPosterior(LaplacePredictive):
                 torch.ones((), dtype=torch.float64, device=s.device) / self.temperature
             )
         )
-        return s, prior_var, h
+        return s, h
 
     @property
     def log_likelihood(self) -> torch.Tensor:
@@ -633,6 +651,28 @@ class ContextPosterior(LaplacePredictive):
 
         return ChunkedFeatures(block, len(Z), chunks.locations, chunks.hold_locations)
 
+    def _linear_location_features(
+        self, groups: PriorGroups, chunks: Chunks
+    ) -> LinearLayerBatch | None:
+        """The locations' Linear layers' features, where predictions can use them.
+
+        Where every parameter is a plain ``nn.Linear``'s, the prior one scalar
+        and the locations held whole; computed with the fit's compute model, so
+        that they match the locations' features of the fit.
+
+        Returns
+        -------
+        LinearLayerBatch or None
+        """
+        backend = self._compute_backend
+        if groups.structure != "scalar" or not chunks.whole:
+            return None
+        if not only_linear_parameters(backend):
+            return None
+        with torch.no_grad():
+            batch = linear_layer_batch(backend, self._compute_locations(), False)
+        return None if batch is None else batch.detach()
+
     def _offset(self) -> torch.Tensor:
         """``θ* − μ₀`` ``(P,)`` in float64 (the dual mean's linearisation)."""
         mean = self.mean.to(torch.float64)
@@ -642,27 +682,32 @@ class ContextPosterior(LaplacePredictive):
         self, features: BatchFeatures, T: torch.Tensor | None = None
     ) -> torch.Tensor:
         acc, _ = self._fitted()
-        s, _, h = self._scales()
+        s, h = self._group_scales()
         T = self._whitened_cross(features) if T is None else T
         return dual_mean(acc, self._factor(), T, features, self._offset(), s, h)
 
     def _factor(self) -> PredictiveFactor:
         acc, _ = self._fitted()
-        s, _, h = self._scales()
+        s, h = self._group_scales()
         return self._factors.prediction_factor(acc, s, h, self.jitter)
 
     def _kernel_prior_var(self) -> torch.Tensor:
         """``Σ₀`` for test kernels: ``()`` if scalar-structured, else ``(P,)``."""
         _, groups = self._fitted()
-        s, prior_var, _ = self._scales()
         if groups.structure == "scalar":
-            return s.detach()[0]
-        return prior_var.detach()
+            return self._group_scales()[0].detach()[0]
+        return self._scales()[1].detach()
 
-    def _whitened_cross(self, features: BatchFeatures) -> torch.Tensor:
+    def _whitened_cross(
+        self, features: BatchFeatures | LinearLayerBatch
+    ) -> torch.Tensor:
         """``L₀⁻¹ K_Z*`` ``(MC, B* C)`` in float64 at the current prior."""
         acc, _ = self._fitted()
-        s, _, _ = self._scales()
+        s, _ = self._group_scales()
+        if isinstance(features, LinearLayerBatch):
+            assert self._linear_locations is not None  # what made these features
+            K = self._linear_locations.gram(features, s.detach()[0])
+            return torch.linalg.solve_triangular(acc.L0, K, upper=False)
         return acc.whitened(features, scales=s.detach())[0]
 
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
@@ -683,7 +728,7 @@ class ContextPosterior(LaplacePredictive):
         T = self._whitened_cross(features)
         return self._variance(features, T).to(Js.dtype)
 
-    def _variance(self, features: BatchFeatures, T: torch.Tensor) -> torch.Tensor:
+    def _variance(self, features: PredictiveFeatures, T: torch.Tensor) -> torch.Tensor:
         """Per-input covariances ``(B*, C, C)`` given ``T = L₀⁻¹ K_Z*`` (float64)."""
         V, W = self._factor().project(T)
         K_ss = features.self_blocks(self._kernel_prior_var())
@@ -710,7 +755,7 @@ class ContextPosterior(LaplacePredictive):
         return covariance.reshape(*lead, q * C, q * C).to(Js.dtype)
 
     def _covariance(
-        self, features: BatchFeatures, T: torch.Tensor, q: int
+        self, features: PredictiveFeatures, T: torch.Tensor, q: int
     ) -> torch.Tensor:
         """Joint covariances ``(B* / q, q C, q C)`` of consecutive ``q`` inputs."""
         V, W = self._factor().project(T)
@@ -755,11 +800,16 @@ class ContextPosterior(LaplacePredictive):
 
     def _predictive_pieces(
         self, x: torch.Tensor
-    ) -> tuple[torch.Tensor, BatchFeatures, torch.Tensor]:
-        # The mean (B*, C), the features (factors or Jacobians) and
-        # T = L₀⁻¹ K_Z* (MC, B* C), computed once for the mean and the covariance.
+    ) -> tuple[torch.Tensor, PredictiveFeatures, torch.Tensor]:
+        # The mean (B*, C), the features (Linear layers', factors or Jacobians)
+        # and T = L₀⁻¹ K_Z* (MC, B* C), computed once for the mean and the
+        # covariance.
         check_inputs(x, "x", self._dtype, self.locations.shape[1:])
         x = x.to(self._compute_dtype)
+        if self._linear_locations is not None and self.predictive_mean != "dual":
+            linear = linear_layer_batch(self._compute_backend, x, self.enable_backprop)
+            if linear is not None:
+                return linear.f, linear, self._whitened_cross(linear)
         features = batch_features(
             self._compute_backend, x, self.enable_backprop, self.structured
         )
