@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -390,3 +392,26 @@ def test_the_halves_report_names_the_settings_an_ablation_changed(
     header = out.read_text().split("###")[0]
     assert "`ablation/` `--retrain-every 1`" in header
     assert "recorded/` `--" not in header and "--initial" not in header
+
+
+@pytest.mark.parametrize(
+    ("methods", "imported"),
+    [
+        (("SingleTaskGP",), set()),
+        (("LaplaceBoTorch",), {"laplace_bayesopt.botorch"}),
+        (("ContextBoTorch",), {"laplace_diffjac.bayesopt"}),
+    ],
+)
+def test_a_worker_imports_what_its_methods_need_before_any_task(methods, imported):
+    """The imports (about 4 s for laplace-torch) are not charged to a task's clock."""
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks/bayesopt'); import bayesopt; "
+        f"bayesopt.import_surrogates({methods!r}); "
+        "print(sorted(m for m in ('laplace_bayesopt.botorch', "
+        "'laplace_diffjac.bayesopt') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert set(ast.literal_eval(proc.stdout.strip())) == imported
