@@ -14,7 +14,7 @@ thread and on the same observations:
 Rows: ``ContextBoTorch`` at its defaults (predictions from the Linear layers'
 inputs and signals, issue #44's acquisition time), the same fitted surrogate
 with that route switched off (the Jacobians of the candidates, the route
-before it; the switch is the posterior's private ``_linear_locations``), and
+before it; the switch is the posterior's private ``_linear``), and
 laplace-bayesopt's ``LaplaceBoTorch``. The methods take turns in each of
 ``--rounds`` rounds; the report gives the median over rounds of each round's
 median per call, and per step the largest relative difference between the two
@@ -107,12 +107,12 @@ def _surrogates(function: str, s: Settings) -> dict[str, Any]:
 def _jacobian_route(model) -> Iterator[None]:
     """``model``'s context posterior without its Linear layers' route, then with."""
     posterior = model.context_posterior
-    kept = posterior._linear_locations
-    posterior._linear_locations = None
+    kept = posterior._linear
+    posterior._linear = None
     try:
         yield
     finally:
-        posterior._linear_locations = kept
+        posterior._linear = kept
 
 
 def _route(method: str, model) -> contextlib.AbstractContextManager:

@@ -12,11 +12,9 @@ without factors (``DiffFuncGGN``, last-layer and subnetwork backends) and for
 the public methods that take Jacobians. :func:`batch_features` picks the first
 whenever the backend hands out factors.
 
-Predictions need only the Grams. Where every parameter is a plain ``nn.Linear``'s
-and the prior is one scalar, :class:`LinearLayerBatch` computes them from the
-layers' inputs and output signals (:mod:`laplace_diffjac.kernels._structured_features`):
-no ``J`` and no factor objects, and a backward pass through a few small
-matrix products per layer instead of through ``J``'s assembly.
+Predictions need only the Grams: where every parameter is a plain ``nn.Linear``'s
+and the prior is one scalar, :mod:`._linear_predictions` computes them from the
+layers' inputs and output signals instead.
 
 A prior variance is ``()`` (the same for every parameter) or ``(P,)``; ``columns``
 restricts a Gram to a prior group's column range (whole parameter tensors).
@@ -26,42 +24,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from torch import nn
 
 from ...backends import JacobianBackend
 from ...jacobians._engine import JacobianFactors
 from ...jacobians._factor_products import factor_ggn_diagonal, factor_jvp
-from ...jacobians._linear_layers import LinearSignals
 from ...kernels import factor_route_applies
-from ...kernels._engine_pieces import engine_factors, linear_pieces
+from ...kernels._engine_pieces import engine_factors
 from ...kernels._factor_gram import factor_gram
-from ...kernels._structured_features import (
-    NTKFeatures,
-    feature_diag,
-    feature_gram,
-    linear_features,
-)
 
 __all__ = [
     "BatchFeatures",
     "FactorBatch",
     "JacobianBatch",
-    "LinearLayerBatch",
-    "PredictiveFeatures",
     "batch_features",
     "given_jacobians",
-    "linear_layer_batch",
     "location_features",
-    "only_linear_parameters",
 ]
 
 Columns = tuple[int, int]
 
 #: Inputs per Gram when joint blocks of ``q`` inputs are computed together.
-_JOINT_INPUTS = 64
+JOINT_INPUTS = 64
 
 
 class BatchFeatures(ABC):
@@ -302,7 +288,7 @@ class FactorBatch(BatchFeatures):
         # (k times the work of the blocks alone, in a few large contractions
         # instead of one small one per group: BoTorch asks for hundreds)
         n, C = self.batch // q, self.n_outputs
-        k = max(1, _JOINT_INPUTS // q)
+        k = max(1, JOINT_INPUTS // q)
         var = prior_var.to(torch.float64)
         blocks = []
         for start in range(0, n, k):
@@ -390,161 +376,3 @@ def given_jacobians(Js: torch.Tensor) -> JacobianBatch:
 
     """
     return JacobianBatch(Js, Js.new_zeros(Js.shape[:2]))
-
-
-class PredictiveFeatures(Protocol):
-    """What a prediction's covariance needs of a batch's features."""
-
-    f: torch.Tensor
-
-    @property
-    def batch(self) -> int: ...
-
-    def self_blocks(self, prior_var: torch.Tensor) -> torch.Tensor: ...
-
-    def joint_blocks(self, prior_var: torch.Tensor, q: int) -> torch.Tensor: ...
-
-
-class LinearLayerBatch:
-    """A batch's Linear layers' inputs and signals, for Grams under a scalar prior.
-
-    The products a prediction needs (:class:`PredictiveFeatures`, and the cross
-    Gram with the locations) without ``J`` or factor objects:
-    ``J(x1) J(x2)ᵀ = Σ_l (a_l(x1)·a_l(x2) + 1[bias]) g_l(x1) g_l(x2)ᵀ``
-    (:func:`~laplace_diffjac.kernels._structured_features.feature_gram`).
-
-    Parameters
-    ----------
-    features : NTKFeatures
-        The layers' inputs and signals (cast to float64).
-    f : torch.Tensor
-        ``(b, C)`` or ``(b,)`` the network's outputs (cast to float64).
-
-    """
-
-    def __init__(self, features: NTKFeatures, f: torch.Tensor) -> None:
-        self.features = features.to(torch.float64)
-        self.f = f.to(torch.float64).reshape(len(features), features.n_outputs)
-
-    @property
-    def batch(self) -> int:
-        """Number ``b`` of inputs."""
-        return int(self.f.shape[0])
-
-    @property
-    def n_outputs(self) -> int:
-        """Number ``C`` of outputs."""
-        return int(self.f.shape[1])
-
-    def gram(self, other: LinearLayerBatch, prior_var: torch.Tensor) -> torch.Tensor:
-        """``σ₀² J J_otherᵀ`` ``(b C, b_other C)``, rows ``(input, output)``-major.
-
-        Parameters
-        ----------
-        other : LinearLayerBatch
-            Of the same model and parameters.
-        prior_var : torch.Tensor
-            ``()``, the scalar prior variance.
-
-        Returns
-        -------
-        torch.Tensor
-
-        """
-        return feature_gram(self.features, other.features, _scalar(prior_var))
-
-    def self_blocks(self, prior_var: torch.Tensor) -> torch.Tensor:
-        """``σ₀² J_b J_bᵀ`` per input, ``(b, C, C)``."""
-        return feature_diag(self.features, _scalar(prior_var))
-
-    def joint_blocks(self, prior_var: torch.Tensor, q: int) -> torch.Tensor:
-        """Joint Grams of consecutive groups of ``q`` inputs, ``(b / q, q C, q C)``.
-
-        ``k`` groups at a time: one Gram of ``k q`` inputs, its ``k`` diagonal
-        blocks kept (as :meth:`FactorBatch.joint_blocks`).
-
-        Returns
-        -------
-        torch.Tensor
-
-        """
-        var = _scalar(prior_var)
-        if q == 1:
-            return self.self_blocks(var)
-        n, C = self.batch // q, self.n_outputs
-        k = max(1, _JOINT_INPUTS // q)
-        blocks = []
-        for start in range(0, n, k):
-            stop = min(n, start + k)
-            part = self.features[start * q : stop * q]
-            K = feature_gram(part, part, var).view(
-                stop - start, q * C, stop - start, q * C
-            )
-            blocks.append(K.diagonal(dim1=0, dim2=2).permute(2, 0, 1))
-        if not blocks:
-            return self.f.new_zeros(0, q * C, q * C)
-        return torch.cat(blocks)
-
-    def detach(self) -> LinearLayerBatch:
-        """The same features, cut from the graph."""
-        return LinearLayerBatch(self.features.detach(), self.f.detach())
-
-
-def _scalar(prior_var: torch.Tensor) -> torch.Tensor:
-    """``prior_var`` as the ``()`` tensor :class:`LinearLayerBatch` needs."""
-    if prior_var.dim() != 0:
-        raise ValueError(
-            "Linear layers' features take one scalar prior variance, got shape "
-            f"{tuple(prior_var.shape)}."
-        )
-    return prior_var.to(torch.float64)
-
-
-def only_linear_parameters(backend: JacobianBackend) -> bool:
-    """Whether every parameter of ``backend`` belongs to a plain ``nn.Linear``.
-
-    The structural half of :func:`linear_layer_batch`'s condition, without a
-    pass (the other half, one call per layer on ``(B, in)`` inputs, shows in
-    the pass).
-
-    Returns
-    -------
-    bool
-
-    """
-    if not factor_route_applies(backend):
-        return False
-    owned = {
-        id(p)
-        for module in backend.model.modules()
-        if type(module) is nn.Linear
-        for p in module.parameters(recurse=False)
-    }
-    return all(id(p) in owned for p in backend.params)
-
-
-def linear_layer_batch(
-    backend: JacobianBackend, x: Any, enable_backprop: bool
-) -> LinearLayerBatch | None:
-    """The Linear layers' features of ``x``, or ``None`` where they do not apply.
-
-    Parameters
-    ----------
-    backend : JacobianBackend
-        One :func:`only_linear_parameters` holds for.
-    x : torch.Tensor
-        ``(b, *input_shape)`` in the backend model's dtype and device.
-    enable_backprop : bool
-        Keep the graph to ``x`` (and the parameters).
-
-    Returns
-    -------
-    LinearLayerBatch or None
-        ``None`` where a Linear layer runs on tokens or twice (the engine then
-        gives factors).
-
-    """
-    pieces = linear_pieces(backend, x, enable_backprop)
-    if not isinstance(pieces, LinearSignals):
-        return None
-    return LinearLayerBatch(linear_features(pieces), pieces.f)

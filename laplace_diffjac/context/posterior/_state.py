@@ -93,5 +93,5 @@ def load_posterior_state(posterior: Any, state_dict: dict[str, Any]) -> None:
         posterior.jitter,
         posterior._location_features(),
     )
-    posterior._linear_locations = None  # predictions take the fit's route
+    posterior._linear = posterior._linear_route(posterior._groups, whole=True)
     posterior._factors.clear()

@@ -2,7 +2,7 @@
 
 Where every parameter is a plain ``nn.Linear``'s and the prior is one scalar, the
 context posterior's predictions contract the layers' inputs and output signals
-(``_features.LinearLayerBatch``) instead of ``J`` or the factors. The joint
+(``_linear_predictions``) instead of ``J`` or the factors. The joint
 covariances of q-batches, the per-input variances and their gradients in the
 test inputs must equal dense float64 formulas written with the per-sample
 autograd loop's Jacobians (``create_graph=True``), and central differences; other
@@ -18,16 +18,16 @@ import torch
 from torch import nn
 
 from laplace_diffjac import ContextPosterior, memory_budget
-from laplace_diffjac.context.posterior._features import LinearLayerBatch
+from laplace_diffjac.context.posterior._linear_predictions import LinearPredictions
 from tests.context.helpers import _lam, small_cnn, small_mlp
 from tests.references import loop_jacobians
 
 F64 = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 PREC = 2.0
-#: The module (its package exports a function of the same name).
-POSTERIOR_MODULE = importlib.import_module(
-    "laplace_diffjac.context.posterior._posterior"
+#: Where predictions ask for the Linear layers' features.
+PREDICTIVE_MODULE = importlib.import_module(
+    "laplace_diffjac.context.posterior._context_predictive"
 )
 
 
@@ -117,7 +117,7 @@ def test_predictions_from_linear_layers_equal_the_dense_formulas(
     model = MODELS[name]()
     x, y, z, xs = _data(model, likelihood)
     cp = _posterior(model, likelihood, x, y, z, structured=structured)
-    assert isinstance(cp._linear_locations, LinearLayerBatch)  # the route taken
+    assert isinstance(cp._linear, LinearPredictions)  # the route taken
     xs_ours = xs.clone().requires_grad_(True)
     xs_ref = xs.clone().requires_grad_(True)
     mean, cov = cp.joint_predictive(xs_ours.view(2, 3, 4))
@@ -147,7 +147,7 @@ def test_gradients_match_central_differences_to_second_order():
     model = _ResidualMLP().double()
     x, y, z, xs = _data(model, "regression")
     cp = _posterior(model, "regression", x, y, z)
-    assert cp._linear_locations is not None
+    assert cp._linear is not None
     xs = xs[:4].view(2, 2, 4).clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda t: cp.joint_predictive(t), (xs,))
     assert torch.autograd.gradgradcheck(lambda t: cp.joint_predictive(t), (xs,))
@@ -173,10 +173,10 @@ def test_other_priors_means_and_models_keep_the_fits_route(case, monkeypatch):
     }.get(case, {})
     cp = _posterior(model, "regression", x, y, z, **kwargs)
     if case == "dual mean":
-        assert cp._linear_locations is not None  # kept for a later 'network'
+        assert cp._linear is not None  # kept for a later 'network'
     else:
-        assert cp._linear_locations is None
-    monkeypatch.setattr(POSTERIOR_MODULE, "linear_layer_batch", _refuse_linear)
+        assert cp._linear is None
+    monkeypatch.setattr(PREDICTIVE_MODULE, "linear_layer_batch", _refuse_linear)
     mean, cov = cp.joint_predictive(xs.view(2, 3, *shape))
     assert torch.isfinite(cov).all() and cov.shape == (2, 9, 9)
     if case in ("cnn", "tokens"):  # the same scalar prior: the dense formulas
@@ -191,13 +191,24 @@ def test_chunked_locations_keep_the_fits_route():
     with memory_budget(12000):
         cp = _posterior(model, "regression", x, y, z, batch_size=2)
     assert cp._chunks is not None and not cp._chunks.whole
-    assert cp._linear_locations is None
+    assert cp._linear is None
 
 
 def test_a_vector_prior_variance_is_refused_by_the_linear_features():
     model = small_mlp()
     x, y, z, _ = _data(model, "regression")
     cp = _posterior(model, "regression", x, y, z)
-    assert cp._linear_locations is not None
+    assert cp._linear is not None
     with pytest.raises(ValueError, match="one scalar prior variance"):
-        cp._linear_locations.self_blocks(torch.ones(3, dtype=F64))
+        cp._linear.locations.self_blocks(torch.ones(3, dtype=F64))
+
+
+def test_a_loaded_state_predicts_on_the_linear_route_as_the_saved_one():
+    model = small_mlp()
+    x, y, z, xs = _data(model, "regression")
+    saved = _posterior(model, "regression", x, y, z)
+    loaded = ContextPosterior(model, "regression", z[:2], sigma_noise=0.3)
+    loaded.load_state_dict(saved.state_dict())
+    assert isinstance(loaded._linear, LinearPredictions)
+    for ours, ref in zip(loaded.joint_predictive(xs), saved.joint_predictive(xs)):
+        torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-14)
