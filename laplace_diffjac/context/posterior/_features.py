@@ -37,6 +37,7 @@ from ...kernels._factor_gram import factor_gram
 
 __all__ = [
     "BatchFeatures",
+    "BatchOutputs",
     "FactorBatch",
     "JacobianBatch",
     "batch_features",
@@ -50,13 +51,13 @@ Columns = tuple[int, int]
 JOINT_INPUTS = 64
 
 
-class BatchFeatures(ABC):
-    """A batch's outputs and Jacobians, in float64.
+class BatchOutputs:
+    """A batch's network outputs, and its sizes read off them.
 
     Attributes
     ----------
     f : torch.Tensor
-        ``(b, C)`` the network's outputs.
+        ``(b, C)`` the network's outputs, in float64.
 
     """
 
@@ -71,6 +72,10 @@ class BatchFeatures(ABC):
     def n_outputs(self) -> int:
         """Number ``C`` of outputs."""
         return int(self.f.shape[1])
+
+
+class BatchFeatures(BatchOutputs, ABC):
+    """A batch's outputs and Jacobians, in float64."""
 
     @property
     def kind(self) -> type[BatchFeatures]:

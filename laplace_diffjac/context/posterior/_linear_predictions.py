@@ -34,7 +34,7 @@ from ...kernels._structured_features import (
     feature_gram,
     linear_features,
 )
-from ._features import JOINT_INPUTS
+from ._features import JOINT_INPUTS, BatchOutputs
 
 __all__ = [
     "LinearLayerBatch",
@@ -58,7 +58,7 @@ class PredictiveFeatures(Protocol):
     def joint_blocks(self, prior_var: torch.Tensor, q: int) -> torch.Tensor: ...
 
 
-class LinearLayerBatch:
+class LinearLayerBatch(BatchOutputs):
     """A batch's Linear layers' inputs and signals, for Grams under a scalar prior.
 
     The products a prediction needs (:class:`PredictiveFeatures`, and the cross
@@ -78,16 +78,6 @@ class LinearLayerBatch:
     def __init__(self, features: NTKFeatures, f: torch.Tensor) -> None:
         self.features = features.to(torch.float64)
         self.f = f.to(torch.float64).reshape(len(features), features.n_outputs)
-
-    @property
-    def batch(self) -> int:
-        """Number ``b`` of inputs."""
-        return int(self.f.shape[0])
-
-    @property
-    def n_outputs(self) -> int:
-        """Number ``C`` of outputs."""
-        return int(self.f.shape[1])
 
     def gram(self, other: LinearLayerBatch, prior_var: torch.Tensor) -> torch.Tensor:
         """``σ₀² J J_otherᵀ`` ``(b C, b_other C)``, rows ``(input, output)``-major.
