@@ -23,7 +23,7 @@ restricts a Gram to a prior group's column range (whole parameter tensors).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,13 +42,14 @@ __all__ = [
     "JacobianBatch",
     "batch_features",
     "given_jacobians",
+    "grouped_joint_blocks",
     "location_features",
 ]
 
 Columns = tuple[int, int]
 
 #: Inputs per Gram when joint blocks of ``q`` inputs are computed together.
-JOINT_INPUTS = 64
+_JOINT_INPUTS = 64
 
 
 class BatchOutputs:
@@ -289,23 +290,11 @@ class FactorBatch(BatchFeatures):
         return factor_gram(self.parts, None, self.params, prior_var.to(torch.float64))
 
     def _joint_blocks(self, prior_var: torch.Tensor, q: int) -> torch.Tensor:
-        # k groups at a time: one Gram of k q inputs, its k diagonal blocks kept
-        # (k times the work of the blocks alone, in a few large contractions
-        # instead of one small one per group: BoTorch asks for hundreds)
-        n, C = self.batch // q, self.n_outputs
-        k = max(1, JOINT_INPUTS // q)
-        var = prior_var.to(torch.float64)
-        blocks = []
-        for start in range(0, n, k):
-            stop = min(n, start + k)
-            part = self.parts[slice(start * q, stop * q)]
-            K = factor_gram(part, part, self.params, var)  # (kq, kq, C, C)
-            K = K.reshape(stop - start, q, stop - start, q, C, C)
-            K = K.diagonal(dim1=0, dim2=2)  # (q, q, C, C, k)
-            blocks.append(K.permute(4, 0, 2, 1, 3).reshape(-1, q * C, q * C))
-        if not blocks:
-            return self.f.new_zeros(0, q * C, q * C)
-        return torch.cat(blocks)
+        def gram(start: int, stop: int) -> torch.Tensor:
+            part = FactorBatch(self.parts[slice(start, stop)], self.params)
+            return part.gram(part, prior_var)
+
+        return grouped_joint_blocks(self.batch, q, self.n_outputs, gram, self.f)
 
     def jvp(self, vector: torch.Tensor) -> torch.Tensor:
         """See :meth:`BatchFeatures.jvp`."""
@@ -381,3 +370,43 @@ def given_jacobians(Js: torch.Tensor) -> JacobianBatch:
 
     """
     return JacobianBatch(Js, Js.new_zeros(Js.shape[:2]))
+
+
+def grouped_joint_blocks(
+    n_inputs: int,
+    q: int,
+    n_outputs: int,
+    gram: Callable[[int, int], torch.Tensor],
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """Joint Grams of consecutive groups of ``q`` inputs, ``(n_inputs / q, q C, q C)``.
+
+    ``k`` groups at a time: one Gram of ``k q`` inputs, its ``k`` diagonal blocks
+    kept (``k`` times the work of the blocks alone, in a few large contractions
+    instead of one small one per group: BoTorch asks for hundreds).
+
+    Parameters
+    ----------
+    n_inputs, q, n_outputs : int
+        ``b``, ``q`` and ``C``.
+    gram : callable
+        ``gram(start, stop)``: the Gram ``(m C, m C)`` of inputs ``[start,
+        stop)``, input-major (``m = stop − start``).
+    like : torch.Tensor
+        Gives the dtype and device of an empty result.
+
+    Returns
+    -------
+    torch.Tensor
+
+    """
+    n, C = n_inputs // q, n_outputs
+    k = max(1, _JOINT_INPUTS // q)
+    blocks = []
+    for start in range(0, n, k):
+        m = min(n, start + k) - start
+        K = gram(start * q, (start + m) * q).view(m, q * C, m, q * C)
+        blocks.append(K.diagonal(dim1=0, dim2=2).permute(2, 0, 1))
+    if not blocks:
+        return like.new_zeros(0, q * C, q * C)
+    return torch.cat(blocks)

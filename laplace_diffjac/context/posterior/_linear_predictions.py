@@ -34,7 +34,7 @@ from ...kernels._structured_features import (
     feature_gram,
     linear_features,
 )
-from ._features import JOINT_INPUTS, BatchOutputs
+from ._features import BatchOutputs, grouped_joint_blocks
 
 __all__ = [
     "LinearLayerBatch",
@@ -103,8 +103,7 @@ class LinearLayerBatch(BatchOutputs):
     def joint_blocks(self, prior_var: torch.Tensor, q: int) -> torch.Tensor:
         """Joint Grams of consecutive groups of ``q`` inputs, ``(b / q, q C, q C)``.
 
-        ``k`` groups at a time: one Gram of ``k q`` inputs, its ``k`` diagonal
-        blocks kept (as :meth:`FactorBatch.joint_blocks`).
+        As the factors' (:func:`._features.grouped_joint_blocks`).
 
         Returns
         -------
@@ -114,19 +113,12 @@ class LinearLayerBatch(BatchOutputs):
         var = _scalar(prior_var)
         if q == 1:
             return self.self_blocks(var)
-        n, C = self.batch // q, self.n_outputs
-        k = max(1, JOINT_INPUTS // q)
-        blocks = []
-        for start in range(0, n, k):
-            stop = min(n, start + k)
-            part = self.features[start * q : stop * q]
-            K = feature_gram(part, part, var).view(
-                stop - start, q * C, stop - start, q * C
-            )
-            blocks.append(K.diagonal(dim1=0, dim2=2).permute(2, 0, 1))
-        if not blocks:
-            return self.f.new_zeros(0, q * C, q * C)
-        return torch.cat(blocks)
+
+        def gram(start: int, stop: int) -> torch.Tensor:
+            part = self.features[start:stop]
+            return feature_gram(part, part, var)
+
+        return grouped_joint_blocks(self.batch, q, self.n_outputs, gram, self.f)
 
     def detach(self) -> LinearLayerBatch:
         """The same features, cut from the graph."""
