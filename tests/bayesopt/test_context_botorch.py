@@ -492,6 +492,16 @@ def test_defaults_are_laplace_bayesopts_mean_and_hyperparameters_exactly():
     assert _relative_error(prior_cov - predicted, reduction) < 1e-4
 
 
+def test_defaults_predict_from_the_linear_layers_after_every_fit():
+    """The default MLP and scalar ``δ`` take the Linear layers' route, refit or not."""
+    X, Y = _data(8, 0)
+    torch.manual_seed(0)
+    model = ContextBoTorch(_factory(), X, Y, n_epochs=30, posthoc_marglik_iters=5)
+    assert model.context_posterior._linear is not None
+    updated = model.condition_on_observations(*_data(2, 5))
+    assert updated.context_posterior._linear is not None
+
+
 def test_residual_mean_is_the_network_plus_the_exact_gp_of_its_residuals():
     X, Y = _data(8, 0)
     torch.manual_seed(0)
